@@ -1,0 +1,139 @@
+#include "dedup.h"
+
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* 11-bit digits: 2048 counters fit in L1, and a 2M-row table (21 bits)
+ * needs two passes. */
+#define RADIX_BITS 11
+#define RADIX_SIZE (1 << RADIX_BITS)
+
+static int bit_width(uint64_t x)
+{
+    int bits = 0;
+    while (x) {
+        bits++;
+        x >>= 1;
+    }
+    return bits;
+}
+
+void he_dedup_free(he_dedup *d)
+{
+    if (!d)
+        return;
+    free(d->unique);
+    free(d->offsets);
+    free(d->order);
+    free(d);
+}
+
+/* LSD radix sort of (key, position) pairs. Stable, and positions start in
+ * ascending order, so equal keys keep their positions ascending. The sorted
+ * result ends in (*keys, *pos); the other two arrays are scratch. */
+static void radix_sort(uint64_t **keys, uint32_t **pos, uint64_t **keys_tmp, uint32_t **pos_tmp,
+                       int64_t n, int key_bits)
+{
+    int64_t counts[RADIX_SIZE];
+    for (int shift = 0; shift < key_bits; shift += RADIX_BITS) {
+        uint64_t *src_k = *keys, *dst_k = *keys_tmp;
+        uint32_t *src_p = *pos, *dst_p = *pos_tmp;
+        memset(counts, 0, sizeof counts);
+        for (int64_t i = 0; i < n; i++)
+            counts[(src_k[i] >> shift) & (RADIX_SIZE - 1)]++;
+        int64_t sum = 0;
+        for (int b = 0; b < RADIX_SIZE; b++) {
+            int64_t c = counts[b];
+            counts[b] = sum;
+            sum += c;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            int64_t at = counts[(src_k[i] >> shift) & (RADIX_SIZE - 1)]++;
+            dst_k[at] = src_k[i];
+            dst_p[at] = src_p[i];
+        }
+        *keys = dst_k;
+        *keys_tmp = src_k;
+        *pos = dst_p;
+        *pos_tmp = src_p;
+    }
+}
+
+he_status he_dedup_build(const he_ids *ids, int64_t num_rows, he_dedup **out)
+{
+    he_status st = HE_OK;
+    int64_t n = ids->count;
+    uint64_t *keys = NULL, *keys_tmp = NULL;
+    uint32_t *pos = NULL, *pos_tmp = NULL;
+    he_dedup *d = NULL;
+    *out = NULL;
+
+    if (n < 0 || (uint64_t)n > UINT32_MAX) {
+        st = he_fail(HE_ERR_VALUE, "a batch may hold at most %" PRIu32 " ids, got %" PRId64,
+                     UINT32_MAX, n);
+        goto done;
+    }
+    int64_t bad = he_first_out_of_range(ids, 0, n, num_rows);
+    if (bad >= 0) {
+        st = he_fail_out_of_range(bad, he_id_at(ids, bad), num_rows);
+        goto done;
+    }
+    size_t alloc_n = n > 0 ? (size_t)n : 1;
+    d = calloc(1, sizeof *d);
+    keys = malloc(alloc_n * sizeof *keys);
+    keys_tmp = malloc(alloc_n * sizeof *keys_tmp);
+    pos_tmp = malloc(alloc_n * sizeof *pos_tmp);
+    if (d)
+        d->order = malloc(alloc_n * sizeof *d->order);
+    if (!d || !keys || !keys_tmp || !pos_tmp || !d->order) {
+        st = he_fail(HE_ERR_NOMEM, "could not allocate %zu bytes to sort %" PRId64 " ids",
+                     alloc_n * (2 * sizeof *keys + 2 * sizeof *pos), n);
+        goto done;
+    }
+    pos = d->order;
+    for (int64_t i = 0; i < n; i++) {
+        keys[i] = (uint64_t)he_id_at(ids, i);
+        pos[i] = (uint32_t)i;
+    }
+    radix_sort(&keys, &pos, &keys_tmp, &pos_tmp, n, bit_width(num_rows > 0 ? (uint64_t)(num_rows - 1) : 0));
+    /* The sorted positions may have ended in the scratch array. */
+    if (pos != d->order) {
+        memcpy(d->order, pos, (size_t)n * sizeof *pos);
+        pos_tmp = pos;
+    }
+
+    int64_t u = 0;
+    for (int64_t i = 0; i < n; i++)
+        u += (i == 0 || keys[i] != keys[i - 1]);
+    d->count = n;
+    d->num_unique = u;
+    d->unique = malloc((u > 0 ? (size_t)u : 1) * sizeof *d->unique);
+    d->offsets = malloc((size_t)(u + 1) * sizeof *d->offsets);
+    if (!d->unique || !d->offsets) {
+        st = he_fail(HE_ERR_NOMEM, "could not allocate %zu bytes for %" PRId64 " unique ids",
+                     (size_t)(2 * u + 1) * sizeof(int64_t), u);
+        goto done;
+    }
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (i == 0 || keys[i] != keys[i - 1]) {
+            d->unique[k] = (int64_t)keys[i];
+            d->offsets[k] = i;
+            k++;
+        }
+    }
+    d->offsets[u] = n;
+
+done:
+    /* keys and keys_tmp may have swapped: free both whichever they are. */
+    free(keys);
+    free(keys_tmp);
+    if (pos_tmp != (d ? d->order : NULL))
+        free(pos_tmp);
+    if (st == HE_OK)
+        *out = d;
+    else
+        he_dedup_free(d);
+    return st;
+}

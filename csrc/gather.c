@@ -1,0 +1,56 @@
+#include "gather.h"
+
+#include <stdatomic.h>
+#include <string.h>
+
+#include "thread_pool.h"
+
+/* Rows are random in a table far bigger than the caches, so each copy waits
+ * on DRAM; asking for the row a few lookups ahead overlaps those waits. */
+#define PREFETCH_AHEAD 8
+
+typedef struct gather_job {
+    const float *table;
+    int64_t num_rows, dim;
+    const he_ids *ids;
+    float *out;
+    atomic_llong first_bad; /* lowest bad position seen, or INT64_MAX */
+} gather_job;
+
+static void gather_range(void *ctx, int64_t begin, int64_t end)
+{
+    gather_job *job = ctx;
+    int64_t bad = he_first_out_of_range(job->ids, begin, end, job->num_rows);
+    if (bad >= 0) {
+        long long seen = atomic_load(&job->first_bad);
+        while (bad < seen && !atomic_compare_exchange_weak(&job->first_bad, &seen, bad))
+            ;
+        return;
+    }
+    size_t row_bytes = (size_t)job->dim * sizeof(float);
+    const float *table = job->table;
+    int64_t dim = job->dim;
+    for (int64_t i = begin; i < end; i++) {
+        if (i + PREFETCH_AHEAD < end) {
+            const char *ahead = (const char *)(table + he_id_at(job->ids, i + PREFETCH_AHEAD) * dim);
+            for (size_t off = 0; off < row_bytes; off += 64)
+                __builtin_prefetch(ahead + off);
+        }
+        memcpy(job->out + i * dim, table + he_id_at(job->ids, i) * dim, row_bytes);
+    }
+}
+
+he_status he_gather(const float *table, int64_t num_rows, int64_t dim, const he_ids *ids, float *out)
+{
+    gather_job job = {table, num_rows, dim, ids, out, INT64_MAX};
+    /* ~16 KiB of output per chunk keeps the hand-out cost negligible. */
+    int64_t row_bytes = dim * (int64_t)sizeof(float);
+    int64_t grain = row_bytes > 0 ? 16384 / row_bytes + 1 : ids->count;
+    he_status st = he_parallel_for(ids->count, grain, gather_range, &job);
+    if (st != HE_OK)
+        return st;
+    int64_t bad = atomic_load(&job.first_bad);
+    if (bad != INT64_MAX)
+        return he_fail_out_of_range(bad, he_id_at(ids, bad), num_rows);
+    return HE_OK;
+}

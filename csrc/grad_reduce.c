@@ -1,0 +1,80 @@
+#include "grad_reduce.h"
+
+#include <string.h>
+
+#include "simd.h"
+#include "thread_pool.h"
+
+typedef struct reduce_job {
+    const he_dedup *d;
+    const float *grad;
+    int64_t dim;
+    int64_t skip_at; /* unique index of padding_idx, or -1 */
+    int scale;
+    float *out_values;
+    int64_t *out_indices;
+} reduce_job;
+
+HE_SIMD_CLONES
+static void add_row(float *restrict acc, const float *restrict row, int64_t dim)
+{
+    for (int64_t j = 0; j < dim; j++)
+        acc[j] += row[j];
+}
+
+HE_SIMD_CLONES
+static void add_scaled_row(float *restrict acc, const float *restrict row, float scale, int64_t dim)
+{
+    for (int64_t j = 0; j < dim; j++)
+        acc[j] += row[j] * scale;
+}
+
+static void reduce_range(void *ctx, int64_t begin, int64_t end)
+{
+    reduce_job *job = ctx;
+    const he_dedup *d = job->d;
+    int64_t dim = job->dim;
+    for (int64_t k = begin; k < end; k++) {
+        if (k == job->skip_at)
+            continue;
+        int64_t slot = job->skip_at >= 0 && k > job->skip_at ? k - 1 : k;
+        float *acc = job->out_values + slot * dim;
+        int64_t first = d->offsets[k], last = d->offsets[k + 1];
+        job->out_indices[slot] = d->unique[k];
+        memset(acc, 0, (size_t)dim * sizeof *acc);
+        if (job->scale) {
+            /* torch scales each row before adding it (grad * (1/count)). */
+            float scale = (float)(1.0 / (double)(last - first));
+            for (int64_t i = first; i < last; i++)
+                add_scaled_row(acc, job->grad + (int64_t)d->order[i] * dim, scale, dim);
+        } else {
+            for (int64_t i = first; i < last; i++)
+                add_row(acc, job->grad + (int64_t)d->order[i] * dim, dim);
+        }
+    }
+}
+
+static int64_t find_unique(const he_dedup *d, int64_t id)
+{
+    int64_t lo = 0, hi = d->num_unique;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (d->unique[mid] < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < d->num_unique && d->unique[lo] == id ? lo : -1;
+}
+
+he_status he_grad_reduce(const he_dedup *d, const float *grad, int64_t dim, const he_reduce_opts *opts,
+                         float *out_values, int64_t *out_indices, int64_t *out_count)
+{
+    int64_t skip_at = opts->padding_idx >= 0 ? find_unique(d, opts->padding_idx) : -1;
+    reduce_job job = {d, grad, dim, skip_at, opts->scale_grad_by_freq, out_values, out_indices};
+    int64_t grain = dim > 0 ? 8192 / dim + 1 : d->num_unique;
+    he_status st = he_parallel_for(d->num_unique, grain, reduce_range, &job);
+    if (st == HE_OK)
+        *out_count = d->num_unique - (skip_at >= 0);
+    return st;
+}

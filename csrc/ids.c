@@ -1,0 +1,28 @@
+#include "ids.h"
+
+#include <inttypes.h>
+
+he_status he_fail_out_of_range(int64_t position, int64_t id, int64_t num_rows)
+{
+    return he_fail(HE_ERR_INDEX,
+                   "index out of range: id %" PRId64 " at position %" PRId64
+                   " is not in [0, %" PRId64 ") for a table of %" PRId64 " rows",
+                   id, position, num_rows, num_rows);
+}
+
+int64_t he_first_out_of_range(const he_ids *ids, int64_t begin, int64_t end, int64_t num_rows)
+{
+    /* One unsigned compare catches negatives too. */
+    if (ids->is_int64) {
+        const int64_t *d = ids->data;
+        for (int64_t i = begin; i < end; i++)
+            if ((uint64_t)d[i] >= (uint64_t)num_rows)
+                return i;
+    } else {
+        const int32_t *d = ids->data;
+        for (int64_t i = begin; i < end; i++)
+            if ((uint64_t)(int64_t)d[i] >= (uint64_t)num_rows)
+                return i;
+    }
+    return -1;
+}

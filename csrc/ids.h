@@ -1,0 +1,27 @@
+/* A read-only view of a batch of ids as torch hands them over: contiguous
+ * int64 or int32. */
+#ifndef HE_IDS_H
+#define HE_IDS_H
+
+#include <stdint.h>
+
+#include "he_status.h"
+
+typedef struct he_ids {
+    const void *data;
+    int64_t count;
+    int is_int64; /* else int32 */
+} he_ids;
+
+static inline int64_t he_id_at(const he_ids *ids, int64_t i)
+{
+    return ids->is_int64 ? ((const int64_t *)ids->data)[i] : (int64_t)((const int32_t *)ids->data)[i];
+}
+
+/* The IndexError every range check in the core reports. */
+he_status he_fail_out_of_range(int64_t position, int64_t id, int64_t num_rows);
+
+/* Position of the first id outside [0, num_rows) in [begin, end), or -1. */
+int64_t he_first_out_of_range(const he_ids *ids, int64_t begin, int64_t end, int64_t num_rows);
+
+#endif

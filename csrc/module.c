@@ -1,0 +1,330 @@
+/* The CPython binding: the only file that includes Python.h.
+ *
+ * Every function takes raw addresses and sizes (the Python layer owns the
+ * torch tensors and keeps them alive for the call), releases the GIL around
+ * the work and turns a he_status into the matching Python exception. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "dedup.h"
+#include "gather.h"
+#include "grad_reduce.h"
+#include "host_memory.h"
+#include "renorm.h"
+#include "sparse_adam.h"
+#include "thread_pool.h"
+
+static PyObject *raise_status(he_status st)
+{
+    PyObject *type;
+    switch (st) {
+    case HE_ERR_NOMEM: type = PyExc_MemoryError; break;
+    case HE_ERR_INDEX: type = PyExc_IndexError; break;
+    case HE_ERR_VALUE: type = PyExc_ValueError; break;
+    default: type = PyExc_OSError; break;
+    }
+    PyErr_SetString(type, he_last_error());
+    return NULL;
+}
+
+static he_ids make_ids(unsigned long long addr, long long count, int is_int64)
+{
+    he_ids ids = {(const void *)(uintptr_t)addr, count, is_int64};
+    return ids;
+}
+
+/* ---- HostBuffer: one big host allocation, exported through the buffer
+ * protocol so torch.frombuffer can alias it without a copy. */
+
+typedef struct {
+    PyObject_HEAD
+    void *ptr;
+    size_t nbytes;
+} HostBuffer;
+
+static PyObject *HostBuffer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"nbytes", "first_touch", NULL};
+    long long nbytes;
+    int first_touch = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "L|p", kwlist, &nbytes, &first_touch))
+        return NULL;
+    if (nbytes < 0 || (unsigned long long)nbytes > (unsigned long long)PY_SSIZE_T_MAX) {
+        PyErr_Format(PyExc_ValueError, "nbytes must be in [0, %zd], got %lld", PY_SSIZE_T_MAX, nbytes);
+        return NULL;
+    }
+    HostBuffer *self = (HostBuffer *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    he_status st;
+    void *ptr = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_host_alloc((size_t)nbytes, &ptr);
+    if (st == HE_OK && first_touch)
+        st = he_host_first_touch(ptr, (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK) {
+        he_host_free(ptr, (size_t)nbytes);
+        Py_DECREF(self);
+        return raise_status(st);
+    }
+    self->ptr = ptr;
+    self->nbytes = (size_t)nbytes;
+    return (PyObject *)self;
+}
+
+static void HostBuffer_dealloc(HostBuffer *self)
+{
+    he_host_free(self->ptr, self->nbytes);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A view holds a reference to the buffer, so the memory outlives every
+ * tensor made from it. */
+static int HostBuffer_getbuffer(HostBuffer *self, Py_buffer *view, int flags)
+{
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->ptr, (Py_ssize_t)self->nbytes, 0, flags);
+}
+
+static PyObject *HostBuffer_address(HostBuffer *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromVoidPtr(self->ptr);
+}
+
+static PyObject *HostBuffer_nbytes(HostBuffer *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromSize_t(self->nbytes);
+}
+
+static PyGetSetDef HostBuffer_getset[] = {
+    {"address", (getter)HostBuffer_address, NULL, "address of the first byte", NULL},
+    {"nbytes", (getter)HostBuffer_nbytes, NULL, "size in bytes", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyBufferProcs HostBuffer_as_buffer = {
+    (getbufferproc)HostBuffer_getbuffer,
+    NULL,
+};
+
+static PyTypeObject HostBufferType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hostembed._C.HostBuffer",
+    .tp_doc = "HostBuffer(nbytes, first_touch=False): zeroed, lazily backed host memory",
+    .tp_basicsize = sizeof(HostBuffer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = HostBuffer_new,
+    .tp_dealloc = (destructor)HostBuffer_dealloc,
+    .tp_as_buffer = &HostBuffer_as_buffer,
+    .tp_getset = HostBuffer_getset,
+};
+
+/* ---- Dedup: the sorted unique ids of one batch, kept between the calls
+ * that size the outputs (Python allocates them) and fill them. */
+
+typedef struct {
+    PyObject_HEAD
+    he_dedup *d;
+} Dedup;
+
+static PyObject *Dedup_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"ids_address", "count", "is_int64", "num_rows", NULL};
+    unsigned long long addr;
+    long long count, num_rows;
+    int is_int64;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KLpL", kwlist, &addr, &count, &is_int64, &num_rows))
+        return NULL;
+    Dedup *self = (Dedup *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    he_ids ids = make_ids(addr, count, is_int64);
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_dedup_build(&ids, num_rows, &self->d);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK) {
+        Py_DECREF(self);
+        return raise_status(st);
+    }
+    return (PyObject *)self;
+}
+
+static void Dedup_dealloc(Dedup *self)
+{
+    he_dedup_free(self->d);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Dedup_num_unique(Dedup *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLongLong(self->d->num_unique);
+}
+
+static PyGetSetDef Dedup_getset[] = {
+    {"num_unique", (getter)Dedup_num_unique, NULL, "number of distinct ids", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject DedupType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hostembed._C.Dedup",
+    .tp_doc = "Dedup(ids_address, count, is_int64, num_rows): sorted unique ids of a batch",
+    .tp_basicsize = sizeof(Dedup),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = Dedup_new,
+    .tp_dealloc = (destructor)Dedup_dealloc,
+    .tp_getset = Dedup_getset,
+};
+
+/* ---- functions */
+
+static PyObject *py_gather(PyObject *mod, PyObject *args)
+{
+    (void)mod;
+    unsigned long long table, ids_addr, out;
+    long long num_rows, dim, count;
+    int is_int64;
+    if (!PyArg_ParseTuple(args, "KLLKLpK", &table, &num_rows, &dim, &ids_addr, &count, &is_int64, &out))
+        return NULL;
+    he_ids ids = make_ids(ids_addr, count, is_int64);
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_gather((const float *)(uintptr_t)table, num_rows, dim, &ids, (float *)(uintptr_t)out);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_grad_reduce(PyObject *mod, PyObject *args)
+{
+    (void)mod;
+    Dedup *dedup;
+    unsigned long long grad, values, indices;
+    long long dim, padding_idx;
+    int scale;
+    if (!PyArg_ParseTuple(args, "O!KLLpKK", &DedupType, &dedup, &grad, &dim, &padding_idx, &scale, &values,
+                          &indices))
+        return NULL;
+    he_reduce_opts opts = {padding_idx, scale};
+    int64_t written = 0;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_grad_reduce(dedup->d, (const float *)(uintptr_t)grad, dim, &opts, (float *)(uintptr_t)values,
+                        (int64_t *)(uintptr_t)indices, &written);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return raise_status(st);
+    return PyLong_FromLongLong(written);
+}
+
+static PyObject *py_renorm(PyObject *mod, PyObject *args)
+{
+    (void)mod;
+    unsigned long long table, ids_addr;
+    long long num_rows, dim, count;
+    int is_int64;
+    double max_norm, norm_type;
+    if (!PyArg_ParseTuple(args, "KLLKLpdd", &table, &num_rows, &dim, &ids_addr, &count, &is_int64, &max_norm,
+                          &norm_type))
+        return NULL;
+    he_ids ids = make_ids(ids_addr, count, is_int64);
+    he_dedup *d = NULL;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_dedup_build(&ids, num_rows, &d);
+    if (st == HE_OK)
+        st = he_renorm((float *)(uintptr_t)table, num_rows, dim, d, max_norm, norm_type);
+    he_dedup_free(d);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_sparse_adam(PyObject *mod, PyObject *args)
+{
+    (void)mod;
+    unsigned long long w, m, v, indices, values;
+    long long num_rows, dim, nnz, step;
+    he_adam_params hp;
+    int maximize;
+    if (!PyArg_ParseTuple(args, "KKKLLKKLddddLp", &w, &m, &v, &num_rows, &dim, &indices, &values, &nnz, &hp.lr,
+                          &hp.beta1, &hp.beta2, &hp.eps, &step, &maximize))
+        return NULL;
+    hp.step = step;
+    hp.maximize = maximize;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_sparse_adam((float *)(uintptr_t)w, (float *)(uintptr_t)m, (float *)(uintptr_t)v, num_rows, dim,
+                        (const int64_t *)(uintptr_t)indices, (const float *)(uintptr_t)values, nnz, &hp);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_num_threads(PyObject *mod, PyObject *arg)
+{
+    (void)mod;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 1 || n > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "number of threads must be a positive integer, got %ld", n);
+        return NULL;
+    }
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_set_num_threads((int)n);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_num_threads(PyObject *mod, PyObject *unused)
+{
+    (void)mod;
+    (void)unused;
+    return PyLong_FromLong(he_get_num_threads());
+}
+
+static PyMethodDef methods[] = {
+    {"gather", py_gather, METH_VARARGS,
+     "gather(table, num_rows, dim, ids, count, is_int64, out): out[i] = table[ids[i]]"},
+    {"grad_reduce", py_grad_reduce, METH_VARARGS,
+     "grad_reduce(dedup, grad, dim, padding_idx, scale_grad_by_freq, values, indices) -> rows written"},
+    {"renorm", py_renorm, METH_VARARGS,
+     "renorm(table, num_rows, dim, ids, count, is_int64, max_norm, norm_type): max_norm in place"},
+    {"sparse_adam", py_sparse_adam, METH_VARARGS,
+     "sparse_adam(w, m, v, num_rows, dim, indices, values, nnz, lr, beta1, beta2, eps, step, maximize)"},
+    {"set_num_threads", py_set_num_threads, METH_O, "set the core's worker thread count"},
+    {"get_num_threads", py_get_num_threads, METH_NOARGS, "the core's worker thread count"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "hostembed._C", "hostembed's C core", -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__C(void)
+{
+    if (PyType_Ready(&HostBufferType) < 0 || PyType_Ready(&DedupType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module_def);
+    if (!m)
+        return NULL;
+    Py_INCREF(&HostBufferType);
+    Py_INCREF(&DedupType);
+    if (PyModule_AddObject(m, "HostBuffer", (PyObject *)&HostBufferType) < 0 ||
+        PyModule_AddObject(m, "Dedup", (PyObject *)&DedupType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,18 @@
+/* Runtime SIMD dispatch for the hot row loops.
+ *
+ * target_clones builds one copy of a function per ISA and picks one at load
+ * time (an ifunc), so the wheel runs on any x86-64 yet uses AVX-512 or AVX2
+ * where the CPU has them; never -march=native in a distributed build. The
+ * loops are element-wise (no reassociation), so every clone gives the same
+ * bits. */
+#ifndef HE_SIMD_H
+#define HE_SIMD_H
+
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__SANITIZE_ADDRESS__) && \
+    !defined(HE_NO_CLONES)
+#define HE_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define HE_SIMD_CLONES
+#endif
+
+#endif

@@ -1,0 +1,31 @@
+/* torch.optim.SparseAdam's update, in place on host-memory rows. */
+#ifndef HE_SPARSE_ADAM_H
+#define HE_SPARSE_ADAM_H
+
+#include <stdint.h>
+
+#include "he_status.h"
+
+typedef struct he_adam_params {
+    double lr, beta1, beta2, eps;
+    int64_t step; /* after this step's increment, as torch counts: 1 on the first step */
+    int maximize;
+} he_adam_params;
+
+/* Updates rows indices[0..nnz) of weight, exp_avg and exp_avg_sq ([num_rows,
+ * dim] each) with grad rows values[0..nnz): the indices and values of a
+ * sparse COO gradient. Indices outside [0, num_rows) are refused before
+ * anything is written, so a bad gradient changes nothing. Repeated indices
+ * (a gradient accumulated over several backward calls) are summed first, in
+ * ascending position order; autograd never marks the gradient it stores as
+ * coalesced, so the core checks the indices rather than trusting a flag.
+ *
+ * Bit for bit torch's float32 arithmetic, same operations in the same order
+ * (built with -ffp-contract=off so no FMA fuses them):
+ *   u1 = (g - m) * (1-b1);   m' = m + u1
+ *   u2 = (g*g - v) * (1-b2); v' = v + u2
+ *   w' = w + (m' / (sqrt(v') + eps)) * -(lr * sqrt(1-b2^t) / (1-b1^t)) */
+he_status he_sparse_adam(float *weight, float *exp_avg, float *exp_avg_sq, int64_t num_rows, int64_t dim,
+                         const int64_t *indices, const float *values, int64_t nnz, const he_adam_params *hp);
+
+#endif

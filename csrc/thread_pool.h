@@ -1,0 +1,27 @@
+/* The core's worker threads.
+ *
+ * One process-wide pool. The caller runs chunks too, so n threads means the
+ * caller plus n-1 workers. Work is handed out in chunks; every parallel loop
+ * in the core writes disjoint outputs per item, so results never depend on
+ * which thread ran which chunk (identical for any thread count). */
+#ifndef HE_THREAD_POOL_H
+#define HE_THREAD_POOL_H
+
+#include <stdint.h>
+
+#include "he_status.h"
+
+/* Processes items [begin, end). */
+typedef void (*he_range_fn)(void *ctx, int64_t begin, int64_t end);
+
+/* Calls fn over [0, n) in chunks of at least `grain` items and returns when
+ * all are done. Falls back to running on the calling thread alone when the
+ * pool is busy with another caller (two Python threads with the GIL
+ * released), so it never deadlocks. */
+he_status he_parallel_for(int64_t n, int64_t grain, he_range_fn fn, void *ctx);
+
+/* Default: the CPUs this process may run on. */
+int he_get_num_threads(void);
+he_status he_set_num_threads(int n);
+
+#endif

@@ -1,0 +1,30 @@
+"""hostembed: train embedding tables larger than GPU memory.
+
+A drop-in for torch.nn.Embedding whose table and SparseAdam state live in
+host memory, with a threaded SIMD C core doing the lookups and the updates in
+place.
+"""
+from . import _C
+from ._ids import IdDtypeError
+from .embedding import Embedding
+from .optim import SparseAdam
+
+__version__ = "0.1.0"
+__all__ = ["Embedding", "SparseAdam", "IdDtypeError", "set_num_threads", "get_num_threads"]
+
+
+def set_num_threads(n: int) -> None:
+    """Sets how many threads the core uses (the caller included).
+
+    The core runs only while the calling thread waits for it, never at the
+    same time as torch's own intra-op threads, so the default (every CPU this
+    process may use) does not oversubscribe.
+    """
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"set_num_threads expects an int, got {type(n).__name__}")
+    _C.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """The number of threads the core uses."""
+    return _C.get_num_threads()

@@ -1,0 +1,23 @@
+"""Checking and preparing the ids a lookup is asked for."""
+import torch
+
+ID_DTYPES = (torch.int64, torch.int32)
+
+
+class IdDtypeError(TypeError, RuntimeError):
+    """Ids of a dtype other than int64/int32.
+
+    A TypeError, and a RuntimeError too because that is what torch raises
+    for the same mistake, so code written for nn.Embedding still catches it.
+    """
+
+
+def prepare_ids(ids) -> torch.Tensor:
+    """The ids as a contiguous CPU int64/int32 tensor, or a clear error."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"hostembed.Embedding: ids must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.dtype not in ID_DTYPES:
+        raise IdDtypeError(
+            f"hostembed.Embedding: ids must have dtype torch.int64 or torch.int32, got {ids.dtype}"
+        )
+    return ids.to("cpu").contiguous()

@@ -1,0 +1,175 @@
+"""hostembed.Embedding: torch.nn.Embedding with the table in host memory."""
+import warnings
+
+import torch
+from torch import nn
+
+from . import _C
+from ._host_memory import host_zeros, register_table
+from ._ids import prepare_ids
+from ._sparse import reduce_rows, row_sparse
+
+
+class _Lookup(torch.autograd.Function):
+    """out = weight[ids] by the core; backward reduces rows per unique id."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, padding_idx, scale_grad_by_freq, sparse, out_device):
+        num_rows, dim = weight.shape
+        out = torch.empty(ids.shape + (dim,), dtype=torch.float32)
+        _C.gather(
+            weight.data_ptr(), num_rows, dim, ids.data_ptr(), ids.numel(), ids.dtype == torch.int64, out.data_ptr()
+        )
+        ctx.save_for_backward(ids)
+        ctx.table_shape = (num_rows, dim)
+        ctx.padding_idx = padding_idx
+        ctx.scale_grad_by_freq = scale_grad_by_freq
+        ctx.sparse = sparse
+        if out_device.type != "cpu":
+            out = out.to(out_device)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None
+        (ids,) = ctx.saved_tensors
+        num_rows, dim = ctx.table_shape
+        rows = grad_out.to(device="cpu", dtype=torch.float32).contiguous().view(-1, dim)
+        indices, values = reduce_rows(ids.view(-1), rows, num_rows, ctx.padding_idx, ctx.scale_grad_by_freq)
+        if ctx.sparse:
+            grad = row_sparse(indices, values, num_rows)
+        else:
+            grad = torch.zeros(num_rows, dim, dtype=torch.float32)
+            grad.index_copy_(0, indices, values)
+        return grad, None, None, None, None, None
+
+
+class Embedding(nn.Module):
+    r"""A drop-in for :class:`torch.nn.Embedding` whose table lives in host memory.
+
+    Same signature and semantics as ``torch.nn.Embedding``, with these
+    differences:
+
+    * ``sparse=True`` by default: a dense gradient of a host table costs the
+      whole table per step (``sparse=False`` works, and warns).
+    * ``device`` says where outputs land; the table always stays in host
+      memory, and ``.to()`` / ``.cuda()`` / ``.cpu()`` only move the outputs.
+    * The table is always float32; ``dtype`` other than float32 is refused and
+      ``.half()``-style casts of a model leave it float32.
+    * ``scale_grad_by_freq`` works with sparse gradients too.
+
+    Train it with :class:`hostembed.SparseAdam`, which updates the table and
+    its state in place in the C core.
+    """
+
+    __constants__ = ["num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+                     "scale_grad_by_freq", "sparse"]
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, max_norm=None, norm_type=2.0,
+                 scale_grad_by_freq=False, sparse=True, _weight=None, _freeze=False, device=None, dtype=None):
+        super().__init__()
+        if dtype is not None and dtype != torch.float32:
+            raise TypeError(f"hostembed.Embedding keeps float32 tables; dtype={dtype} is not supported")
+        if num_embeddings < 0 or embedding_dim < 0:
+            raise ValueError(
+                f"num_embeddings and embedding_dim must be >= 0, got {num_embeddings} and {embedding_dim}"
+            )
+        # padding_idx checks and their AssertionErrors are torch's own.
+        if padding_idx is not None:
+            if padding_idx > 0:
+                assert padding_idx < num_embeddings, "Padding_idx must be within num_embeddings"
+            elif padding_idx < 0:
+                assert padding_idx >= -num_embeddings, "Padding_idx must be within num_embeddings"
+                padding_idx = num_embeddings + padding_idx
+        if _weight is not None:
+            assert list(_weight.shape) == [num_embeddings, embedding_dim], (
+                "Shape of weight does not match num_embeddings and embedding_dim"
+            )
+        if not sparse:
+            warnings.warn(
+                "hostembed.Embedding(sparse=False): every backward builds a dense gradient as large as the "
+                f"whole table ({num_embeddings * embedding_dim * 4} bytes); use sparse=True with "
+                "hostembed.SparseAdam unless you need a dense optimizer",
+                stacklevel=2,
+            )
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = scale_grad_by_freq
+        self.sparse = sparse
+        self._output_device = torch.device("cpu") if device is None else torch.device(device)
+
+        table = host_zeros(num_embeddings, embedding_dim, first_touch=True)
+        self.weight = nn.Parameter(table, requires_grad=not _freeze)
+        register_table(self.weight)
+        if _weight is None:
+            self.reset_parameters()
+        else:
+            with torch.no_grad():
+                self.weight.copy_(_weight)
+
+    def reset_parameters(self) -> None:
+        # Same draws as nn.Embedding: torch.manual_seed(s) gives both the same table.
+        nn.init.normal_(self.weight)
+        self._fill_padding_idx_with_zero()
+
+    def _fill_padding_idx_with_zero(self) -> None:
+        if self.padding_idx is not None:
+            with torch.no_grad():
+                self.weight[self.padding_idx].fill_(0)
+
+    @property
+    def output_device(self) -> torch.device:
+        """Where forward's outputs land (the table itself stays in host memory)."""
+        return self._output_device
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        ids = prepare_ids(input)
+        if self.max_norm is not None:
+            with torch.no_grad():
+                _C.renorm(self.weight.data_ptr(), self.num_embeddings, self.embedding_dim, ids.data_ptr(),
+                          ids.numel(), ids.dtype == torch.int64, float(self.max_norm), float(self.norm_type))
+        return _Lookup.apply(self.weight, ids, self.padding_idx, self.scale_grad_by_freq, self.sparse,
+                             self._output_device)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to()/.cuda()/.cpu()/.half() arrive here as fn over every tensor.
+        # Moving a 50 GB table to the GPU is exactly what this module exists
+        # to avoid: see where fn would send a tensor and send outputs there.
+        self._output_device = fn(torch.empty(0)).device
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        # load_state_dict(assign=True) would swap our host table for the
+        # caller's tensor; always copy into the table instead.
+        local_metadata = dict(local_metadata, assign_to_params_buffers=False)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        s = "{num_embeddings}, {embedding_dim}"
+        if self.padding_idx is not None:
+            s += ", padding_idx={padding_idx}"
+        if self.max_norm is not None:
+            s += ", max_norm={max_norm}"
+        if self.norm_type != 2:
+            s += ", norm_type={norm_type}"
+        if self.scale_grad_by_freq is not False:
+            s += ", scale_grad_by_freq={scale_grad_by_freq}"
+        if self.sparse is not False:
+            s += ", sparse=True"
+        if self._output_device.type != "cpu":
+            s += ", device={_output_device}"
+        return s.format(**self.__dict__)
+
+    @classmethod
+    def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, max_norm=None, norm_type=2.0,
+                        scale_grad_by_freq=False, sparse=True):
+        """Copies the rows of a 2-D tensor into a new host table (torch's signature)."""
+        assert embeddings.dim() == 2, "Embeddings parameter is expected to be 2-dimensional"
+        rows, cols = embeddings.shape
+        return cls(num_embeddings=rows, embedding_dim=cols, _weight=embeddings, _freeze=freeze,
+                   padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
+                   scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)

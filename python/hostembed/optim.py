@@ -1,0 +1,115 @@
+"""hostembed.SparseAdam: torch.optim.SparseAdam, done in place by the C core
+for hostembed tables."""
+import torch
+from torch.optim import _functional as torch_functional
+
+from . import _C
+from ._host_memory import host_zeros, is_host_table
+
+_STATE_TENSORS = ("exp_avg", "exp_avg_sq")
+
+
+class SparseAdam(torch.optim.SparseAdam):
+    """torch.optim.SparseAdam with the same signature, validation, state keys
+    (``step``, ``exp_avg``, ``exp_avg_sq``) and numerics.
+
+    For a hostembed table, step() updates the weight and both moments in
+    place in host memory with the core's threads (one pass over the rows in
+    the gradient; the moments are allocated lazily, so rows never trained
+    cost no memory). Any other parameter goes through torch's own
+    implementation.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, maximize=maximize)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not p.grad.is_sparse:
+                    raise RuntimeError("SparseAdam does not support dense gradients, please consider Adam instead")
+                if is_host_table(p):
+                    self._host_step(p, group)
+                    continue
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            if params:
+                beta1, beta2 = group["betas"]
+                torch_functional.sparse_adam(
+                    params, grads, exp_avgs, exp_avg_sqs, steps, eps=group["eps"], beta1=beta1, beta2=beta2,
+                    lr=float(group["lr"]), maximize=group.get("maximize", False),
+                )
+        return loss
+
+    def _host_step(self, p, group):
+        num_rows, dim = p.shape
+        grad = p.grad
+        if grad.shape != p.shape:
+            raise RuntimeError(f"SparseAdam: gradient of shape {list(grad.shape)} for a parameter of shape {list(p.shape)}")
+        if grad.sparse_dim() != 1:
+            # Not row-sparse (e.g. a fully sparse 2-D COO tensor a user built):
+            # rare, so take the simple road to rows.
+            grad = grad.coalesce().to_dense().to_sparse(sparse_dim=1)
+        # Coalesced or not (autograd never marks what it stores as
+        # coalesced): the core sums repeated rows itself, after checking the
+        # range and before writing anything.
+        indices = grad._indices()[0].contiguous()
+        values = grad._values().to(torch.float32).contiguous()
+
+        state = self.state[p]
+        if len(state) == 0:
+            exp_avg, exp_avg_sq, step = host_zeros(num_rows, dim), host_zeros(num_rows, dim), 0
+        else:
+            exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], int(state["step"])
+        beta1, beta2 = group["betas"]
+        _C.sparse_adam(
+            p.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), num_rows, dim,
+            indices.data_ptr(), values.data_ptr(), indices.numel(),
+            float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), step + 1,
+            bool(group.get("maximize", False)),
+        )
+        # Recorded only once the core accepted the gradient: a refused one
+        # leaves weights, moments, step (and an empty state) as they were.
+        state.update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        # torch keeps the loaded tensors; for host tables copy them into
+        # core-owned memory so step() can update them in place.
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not is_host_table(p) or p not in self.state:
+                    continue
+                state = self.state[p]
+                for key in _STATE_TENSORS:
+                    if key not in state:
+                        continue
+                    loaded = state[key]
+                    if loaded.shape != p.shape:
+                        raise ValueError(
+                            f"SparseAdam.load_state_dict: state '{key}' has shape {list(loaded.shape)}, "
+                            f"expected {list(p.shape)} like its parameter"
+                        )
+                    own = host_zeros(*p.shape)
+                    own.copy_(loaded)
+                    state[key] = own
+                if "step" in state:
+                    state["step"] = int(state["step"])
