@@ -74,8 +74,8 @@ class SparseAdam(torch.optim.SparseAdam):
         indices = grad._indices()[0].contiguous()
         values = grad._values().to(torch.float32).contiguous()
 
-        state = self.state[p]
-        if len(state) == 0:
+        state = self.state.get(p)  # not self.state[p]: a defaultdict would add an entry
+        if not state:
             exp_avg, exp_avg_sq, step = host_zeros(num_rows, dim), host_zeros(num_rows, dim), 0
         else:
             exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], int(state["step"])
@@ -88,7 +88,7 @@ class SparseAdam(torch.optim.SparseAdam):
         )
         # Recorded only once the core accepted the gradient: a refused one
         # leaves weights, moments, step (and an empty state) as they were.
-        state.update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+        self.state[p].update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)

@@ -1,0 +1,362 @@
+"""One embedding training step on the CPU: hostembed against torch, on the same ids.
+
+Contenders (built one at a time and freed before the next, so the peak
+memory is about one of them):
+  * hostembed.Embedding + hostembed.SparseAdam
+  * torch.nn.Embedding(sparse=True) + torch.optim.SparseAdam
+  * torch.nn.Embedding (dense) + torch.optim.Adam (few steps: it updates the
+    whole table every step)
+
+A step is forward(ids) -> out.backward(fixed gradient) -> optimizer.step()
+-> optimizer.zero_grad(): no loss computation, so nearly all the time is the
+embedding's. Before any hostembed step is timed, hostembed is checked against
+torch SparseAdam: the same initial table and the same first batches must give
+the same weights.
+
+Usage (in-place build):
+    PYTHONPATH=python python3 benchmarks/cpu_step.py [--rows 2000000 --dim 128 ...]
+"""
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+try:
+    import hostembed
+except ImportError as exc:
+    sys.exit(f"cannot import hostembed ({exc}): build it with `python3 setup.py build_ext --inplace` "
+             "and run with PYTHONPATH=python, or pip install the package")
+
+from _common import (GIB, REPO_ROOT, PeakRss, copy_bandwidth, log, machine_info, progress,
+                     summarize_ms, usable_cpus)
+
+CHECK_STEPS = 3    # batches both SparseAdams run before their weights are compared
+ADAM_WARMUP = 1    # dense Adam: one untimed step allocates its state; more costs seconds each
+PHASES = ("forward", "backward", "step", "zero_grad")
+HOSTEMBED = "hostembed.Embedding + hostembed.SparseAdam"
+TORCH_SPARSE = "torch.nn.Embedding(sparse=True) + torch.optim.SparseAdam"
+TORCH_ADAM = "torch.nn.Embedding + torch.optim.Adam"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--rows", type=int, default=2_000_000, help="table rows N")
+    p.add_argument("--dim", type=int, default=128, help="embedding dim D")
+    p.add_argument("--batch", type=int, default=65_536, help="ids per batch B")
+    p.add_argument("--alpha", type=float, default=1.15, help="Zipf exponent of the ids")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (sparse contenders)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps before the timed ones (>= 1: the first allocates the optimizer state)")
+    p.add_argument("--adam-steps", type=int, default=3, help="timed steps of dense Adam; 0 skips it")
+    p.add_argument("--threads", type=int, default=usable_cpus(), help="torch and hostembed threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--copy-mib", type=int, default=1024, help="buffer size for the copy bandwidth ceiling")
+    p.add_argument("--copy-repeats", type=int, default=5)
+    p.add_argument("--skip-torch-sparse", action="store_true",
+                   help="do not time torch SparseAdam (it still runs the correctness check)")
+    p.add_argument("--json", default=os.path.join(REPO_ROOT, "benchmarks", "results", "cpu_step.json"))
+    args = p.parse_args(argv)
+    if min(args.rows, args.dim, args.batch, args.steps, args.warmup, args.threads) < 1:
+        p.error("--rows, --dim, --batch, --steps, --warmup and --threads must be >= 1")
+    if args.adam_steps < 0:
+        p.error("--adam-steps must be >= 0")
+    return args
+
+
+# --- workload ----------------------------------------------------------------
+
+def zipf_batches(rows, batch, alpha, count, seed):
+    """`count` batches of int64 ids, Zipf(alpha) over ranks 1..rows.
+
+    Bounded Zipf by inverse CDF; a random permutation maps rank -> row, so
+    the hot rows are scattered over the table as in a real vocabulary.
+    """
+    rng = np.random.default_rng(seed)
+    weights = np.arange(1, rows + 1, dtype=np.float64) ** -alpha
+    cdf = np.cumsum(weights)
+    cdf /= cdf[-1]
+    rank_to_row = rng.permutation(rows).astype(np.int64)
+    batches = []
+    for _ in range(count):
+        # side="right" and the clip keep u == cdf[-1] == 1.0 in range.
+        ranks = np.minimum(np.searchsorted(cdf, rng.random(batch), side="right"), rows - 1)
+        batches.append(torch.from_numpy(rank_to_row[ranks]))
+    return batches
+
+
+def make_hostembed(args):
+    emb = hostembed.Embedding(args.rows, args.dim)
+    return emb, hostembed.SparseAdam(emb.parameters(), lr=args.lr)
+
+
+def make_torch_sparse(args):
+    emb = torch.nn.Embedding(args.rows, args.dim, sparse=True)
+    return emb, torch.optim.SparseAdam(emb.parameters(), lr=args.lr)
+
+
+def make_torch_adam(args):
+    emb = torch.nn.Embedding(args.rows, args.dim)
+    return emb, torch.optim.Adam(emb.parameters(), lr=args.lr)
+
+
+# --- running a contender ---------------------------------------------------------
+
+def build(make, args):
+    # The same seed before every constructor: nn.Embedding and hostembed
+    # draw their tables identically, so every contender starts from the same weights.
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    emb, opt = make(args)
+    return emb, opt, time.perf_counter() - t0
+
+
+def train_step(emb, opt, ids, grad_out):
+    """One step; returns the seconds of each phase (PHASES order)."""
+    t0 = time.perf_counter()
+    out = emb(ids)
+    t1 = time.perf_counter()
+    out.backward(grad_out)
+    t2 = time.perf_counter()
+    opt.step()
+    t3 = time.perf_counter()
+    opt.zero_grad()
+    t4 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2, t4 - t3
+
+
+def warm_up(emb, opt, batches, grad_out, desc):
+    """Untimed steps; returns the first one's seconds (it allocates the optimizer state)."""
+    first = None
+    for ids in progress(batches, desc):
+        seconds = sum(train_step(emb, opt, ids, grad_out))
+        first = seconds if first is None else first
+    return first
+
+
+def timed_steps(emb, opt, batches, grad_out, desc, peak):
+    peak.start()
+    per_phase = {name: [] for name in PHASES}
+    totals = []
+    for ids in progress(batches, desc):
+        phases = train_step(emb, opt, ids, grad_out)
+        for name, seconds in zip(PHASES, phases):
+            per_phase[name].append(seconds)
+        totals.append(sum(phases))
+    result = summarize_ms(totals)
+    result["steps_per_s"] = 1e3 / result["median_ms"]
+    result["phases_median_ms"] = {name: summarize_ms(s)["median_ms"] for name, s in per_phase.items()}
+    result["step_ms"] = [s * 1e3 for s in totals]
+    result["peak_rss_bytes_timed"] = peak.window()
+    return result
+
+
+# --- correctness -------------------------------------------------------------------
+
+def fail(msg):
+    sys.exit(f"\nCORRECTNESS CHECK FAILED: {msg}\nNo timings are reported for a wrong answer.")
+
+
+def check_same_start(weight, reference):
+    if not torch.equal(weight.detach(), reference):
+        fail("hostembed.Embedding and torch.nn.Embedding built after the same torch.manual_seed "
+             "have different initial tables, so the comparison below would mean nothing")
+
+
+def check_same_weights(weight, reference):
+    weight = weight.detach()
+    try:
+        torch.testing.assert_close(weight, reference, rtol=1e-5, atol=1e-6)
+    except AssertionError as err:
+        fail(f"after the same {CHECK_STEPS} batches from the same table, hostembed.SparseAdam's "
+             f"weights differ from torch.optim.SparseAdam's:\n{err}")
+    return {
+        "steps": CHECK_STEPS,
+        "rtol": 1e-5,
+        "atol": 1e-6,
+        "passed": True,
+        "bitwise_equal": torch.equal(weight, reference),
+        "max_abs_diff": (weight - reference).abs_().max().item(),
+    }
+
+
+# --- the benchmark -------------------------------------------------------------------
+
+def correctness_check(args, batches, grad_out):
+    """Fails loudly unless hostembed, from the same table as torch SparseAdam,
+    ends the same first batches with the same weights.
+
+    The contenders run one after the other, torch keeping full-table
+    snapshots, so memory stays about one contender (+ 2 tables).
+    """
+    log(f"correctness check: {CHECK_STEPS} steps of torch SparseAdam, then of hostembed")
+    emb, opt, _ = build(make_torch_sparse, args)
+    initial = emb.weight.detach().clone()
+    warm_up(emb, opt, batches[:CHECK_STEPS], grad_out, "check: torch sparse")
+    reference = emb.weight.detach().clone()
+    del emb, opt
+    gc.collect()
+
+    emb, opt, _ = build(make_hostembed, args)
+    check_same_start(emb.weight, initial)
+    del initial
+    warm_up(emb, opt, batches[:CHECK_STEPS], grad_out, "check: hostembed")
+    result = check_same_weights(emb.weight, reference)
+    del emb, opt, reference
+    gc.collect()
+    return result
+
+
+def run_contender(name, make, args, warm, timed, grad_out, peak):
+    """Builds a contender, warms it up, times it and frees it before the next."""
+    log(f"{name}: building, {len(warm)} warm-up steps, {len(timed)} timed steps")
+    emb, opt, build_s = build(make, args)
+    first_s = warm_up(emb, opt, warm, grad_out, f"{name} warm-up")
+    result = timed_steps(emb, opt, timed, grad_out, name, peak)
+    result.update(build_s=build_s, first_step_ms=first_s * 1e3)
+    del emb, opt
+    gc.collect()
+    return result
+
+
+def run_contenders(args, batches, grad_out, peak):
+    # All contenders time the same ids; dense Adam only the first few of them
+    # and after one warm-up step, as each of its steps costs seconds.
+    warm, timed = batches[:args.warmup], batches[args.warmup:]
+    results = {HOSTEMBED: run_contender(HOSTEMBED, make_hostembed, args, warm, timed[:args.steps], grad_out, peak)}
+    if args.skip_torch_sparse:
+        results[TORCH_SPARSE] = {"skipped": "--skip-torch-sparse"}
+    else:
+        results[TORCH_SPARSE] = run_contender(TORCH_SPARSE, make_torch_sparse, args, warm, timed[:args.steps],
+                                              grad_out, peak)
+    if args.adam_steps == 0:
+        results[TORCH_ADAM] = {"skipped": "--adam-steps 0"}
+    else:
+        results[TORCH_ADAM] = run_contender(TORCH_ADAM, make_torch_adam, args, warm[:ADAM_WARMUP],
+                                            timed[:args.adam_steps], grad_out, peak)
+    return results
+
+
+def hostembed_bandwidth(args, unique_mean, step_ms, copy_bps):
+    # The issue's bound: SparseAdam reads w, m, v, g and writes w, m, v for
+    # each of the u x D updated elements (7 x 4 bytes); the gather reads and
+    # writes each of the B x D looked-up elements (2 x 4 bytes).
+    nbytes = 28 * unique_mean * args.dim + 8 * args.batch * args.dim
+    achieved = nbytes / (step_ms / 1e3)
+    return {"bytes_per_step": nbytes, "achieved_bytes_per_s": achieved,
+            "fraction_of_copy_bandwidth": achieved / copy_bps}
+
+
+def speedups(contenders):
+    he = contenders[HOSTEMBED]["median_ms"]
+    return {name: r["median_ms"] / he for name, r in contenders.items()
+            if name != HOSTEMBED and "median_ms" in r}
+
+
+# --- report ------------------------------------------------------------------------------
+
+def fmt_ms(ms):
+    return f"{ms:,.1f}" if ms >= 100 else f"{ms:.2f}"
+
+
+def print_report(args, report):
+    contenders, sp = report["contenders"], report["speedup_of_hostembed"]
+    ts = contenders[TORCH_SPARSE]
+    print(f"## CPU training step: N={args.rows:,} rows, D={args.dim}, batch {args.batch:,} ids "
+          f"Zipf({args.alpha}), {report['machine']['threads']} threads\n")
+    print("| contender | ms/step median | min | max | steps | steps/s | speedup vs torch SparseAdam |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in contenders.items():
+        if "skipped" in r:
+            print(f"| {name} | skipped: {r['skipped']} | | | | | |")
+            continue
+        vs = f"{ts['median_ms'] / r['median_ms']:.2f}x" if "median_ms" in ts else "n/a"
+        print(f"| {name} | {fmt_ms(r['median_ms'])} | {fmt_ms(r['min_ms'])} | {fmt_ms(r['max_ms'])} "
+              f"| {r['n']} | {r['steps_per_s']:.2f} | {vs} |")
+
+    print("\nPhase medians, ms (first untimed step, which allocates the optimizer state, in the last column):\n")
+    print("| contender | forward | backward | optimizer step | zero_grad | first step |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in contenders.items():
+        if "skipped" not in r:
+            ph = r["phases_median_ms"]
+            print(f"| {name} | " + " | ".join(fmt_ms(ph[p]) for p in PHASES) + f" | {fmt_ms(r['first_step_ms'])} |")
+
+    print()
+    for name, ratio in sp.items():
+        print(f"hostembed speedup over {name}: {ratio:.2f}x (ratio of medians)")
+    u, cp, bw = report["unique_ids"], report["copy_bandwidth"], report["hostembed_bandwidth"]
+    print(f"unique ids per batch u: mean {u['mean']:,.0f} (min {u['min']:,}, max {u['max']:,}) "
+          f"= {u['mean'] / args.batch:.1%} of the batch")
+    single = cp.get("single_thread")
+    print(f"host copy bandwidth (read + write, {cp['all_threads']['buffer_bytes'] / GIB:.2f} GiB dst.copy_(src), "
+          f"median of {cp['all_threads']['repeats']}): {cp['all_threads']['bytes_per_s'] / 1e9:.2f} GB/s with "
+          f"{cp['all_threads']['threads']} threads"
+          + (f", {single['bytes_per_s'] / 1e9:.2f} GB/s with 1 thread" if single else ""))
+    print(f"hostembed bytes/step (28*u*D + 8*B*D): {bw['bytes_per_step'] / 1e6:.1f} MB -> "
+          f"{bw['achieved_bytes_per_s'] / 1e9:.2f} GB/s achieved = "
+          f"{bw['fraction_of_copy_bandwidth']:.1%} of the copy bandwidth")
+    chk = report["correctness"]
+    print(f"correctness: hostembed matches torch SparseAdam after {chk['steps']} steps from the same table "
+          f"(max abs diff {chk['max_abs_diff']:.3g}, bitwise equal: {chk['bitwise_equal']})")
+    rss = report["peak_rss_bytes"]
+    per = ", ".join(f"{name.split(' + ')[1]} {r['peak_rss_bytes_timed'] / GIB:.2f} GiB"
+                    for name, r in contenders.items() if r.get("peak_rss_bytes_timed"))
+    print(f"peak RSS: process {rss / GIB:.2f} GiB" + (f"; during timed steps: {per}" if per else ""))
+    print(f"JSON: {args.json}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    hostembed.set_num_threads(args.threads)
+    peak = PeakRss()
+
+    count = max(CHECK_STEPS, args.warmup + max(args.steps, args.adam_steps))
+    log(f"generating {count} batches of {args.batch:,} ids")
+    batches = zipf_batches(args.rows, args.batch, args.alpha, count, args.seed)
+    unique = [int(torch.unique(b).numel()) for b in batches[args.warmup:args.warmup + args.steps]]
+    # A fixed output gradient stands in for the rest of the model at no cost.
+    grad_out = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(args.seed + 1))
+
+    log("measuring host copy bandwidth")
+    copy_bytes = args.copy_mib << 20
+    copy = {"all_threads": copy_bandwidth(copy_bytes, args.copy_repeats, args.threads)}
+    if args.threads > 1:
+        copy["single_thread"] = copy_bandwidth(copy_bytes, max(3, args.copy_repeats // 2), 1)
+    gc.collect()
+
+    # Checked before anything is timed: a fast wrong answer is not a result.
+    check = correctness_check(args, batches, grad_out)
+    contenders = run_contenders(args, batches, grad_out, peak)
+
+    unique_stats = {"mean": sum(unique) / len(unique), "min": min(unique), "max": max(unique)}
+    report = {
+        "machine": machine_info(threads=args.threads, torch_threads=torch.get_num_threads(),
+                                hostembed_threads=hostembed.get_num_threads()),
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "unique_ids": unique_stats,
+        "copy_bandwidth": copy,
+        "contenders": contenders,
+        "speedup_of_hostembed": speedups(contenders),
+        "hostembed_bandwidth": hostembed_bandwidth(args, unique_stats["mean"], contenders[HOSTEMBED]["median_ms"],
+                                                   copy["all_threads"]["bytes_per_s"]),
+        "correctness": check,
+    }
+    peak.window()
+    report["peak_rss_bytes"] = peak.overall
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=2)
+    print_report(args, report)
+
+
+if __name__ == "__main__":
+    main()

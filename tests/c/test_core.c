@@ -1,0 +1,1312 @@
+/* C-level tests of hostembed's core (every csrc/ source but module.c).
+ *
+ * Standalone C11, no Python and no test framework. Every result is compared
+ * with a simple reference computed here (in double where sums are involved),
+ * and the program is meant to run under AddressSanitizer + UBSan (see
+ * tests/test_core_sanitized.py), so out-of-bounds accesses, leaks and UB in
+ * the core fail it as well.
+ *
+ * Build (the pytest wrapper does this):
+ *   cc -std=c11 -O1 -g -fsanitize=address,undefined -ffp-contract=off \
+ *      -fno-math-errno -pthread -Icsrc tests/c/test_core.c csrc/{all but module}.c -lm
+ * -ffp-contract=off matters: the SparseAdam reference below must round every
+ * float operation on its own, exactly as the core does.
+ *
+ * Output: one line per test group, then exactly "N passed, M failed"; the
+ * exit status is non-zero if any check failed. */
+#include <float.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "dedup.h"
+#include "gather.h"
+#include "grad_reduce.h"
+#include "he_status.h"
+#include "host_memory.h"
+#include "ids.h"
+#include "renorm.h"
+#include "sparse_adam.h"
+#include "thread_pool.h"
+
+/* ------------------------------------------------------------------------ */
+/* Checks                                                                   */
+
+static int g_passed, g_failed;
+static int g_group_failed; /* failures in the current group */
+
+#define CHECKF(expr, ...)                                                          \
+    do {                                                                           \
+        if (expr) {                                                                \
+            g_passed++;                                                            \
+        } else {                                                                   \
+            g_failed++;                                                            \
+            g_group_failed++;                                                      \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n    ", __FILE__, __LINE__, #expr); \
+            fprintf(stderr, __VA_ARGS__);                                          \
+            fprintf(stderr, "\n");                                                 \
+        }                                                                          \
+    } while (0)
+
+#define CHECK(expr) CHECKF(expr, "%s", "")
+
+/* A status check that prints the core's message when it is not the one
+ * expected. */
+#define CHECK_ST(call, want)                                                                     \
+    do {                                                                                         \
+        he_status st_ = (call);                                                                  \
+        CHECKF(st_ == (want), "got status %d, want %d (%s); last error: \"%s\"", (int)st_, (int)(want), \
+               #want, he_last_error());                                                          \
+    } while (0)
+
+/* The calling thread's last error contains `s`. */
+#define CHECK_MSG(s) CHECKF(strstr(he_last_error(), (s)) != NULL, "message \"%s\" lacks \"%s\"", he_last_error(), (s))
+
+static void group_begin(void)
+{
+    g_group_failed = 0;
+}
+
+static void group_end(const char *name)
+{
+    printf("%-14s %s\n", name, g_group_failed ? "FAILED" : "ok");
+    fflush(stdout);
+}
+
+static void *xmalloc(size_t bytes)
+{
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) {
+        fprintf(stderr, "test harness: out of memory (%zu bytes)\n", bytes);
+        exit(2);
+    }
+    return p;
+}
+
+static void *xdup(const void *src, size_t bytes)
+{
+    void *p = xmalloc(bytes);
+    if (bytes)
+        memcpy(p, src, bytes);
+    return p;
+}
+
+static void set_threads(int n)
+{
+    CHECK_ST(he_set_num_threads(n), HE_OK);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Deterministic random numbers (splitmix64)                                */
+
+static uint64_t g_rng = 0x243F6A8885A308D3ull;
+
+static uint64_t rng_next(void)
+{
+    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [0, n); the modulo bias is irrelevant here. */
+static int64_t rng_below(uint64_t n)
+{
+    return (int64_t)(rng_next() % n);
+}
+
+/* Uniform in [lo, hi). */
+static double rng_uniform(double lo, double hi)
+{
+    return lo + (hi - lo) * ((double)(rng_next() >> 11) * 0x1.0p-53);
+}
+
+static void fill_uniform(float *x, int64_t n, double lo, double hi)
+{
+    for (int64_t i = 0; i < n; i++)
+        x[i] = (float)rng_uniform(lo, hi);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Status messages                                                          */
+
+static void *fail_in_other_thread(void *arg)
+{
+    (void)arg;
+    he_fail(HE_ERR_VALUE, "set by another thread");
+    return NULL;
+}
+
+static void test_status(void)
+{
+    group_begin();
+    /* Nothing has failed yet on this thread. */
+    CHECK(strcmp(he_last_error(), "") == 0);
+    CHECK(he_fail(HE_ERR_SYSTEM, "code %d", 7) == HE_ERR_SYSTEM);
+    CHECK(strcmp(he_last_error(), "code 7") == 0);
+    /* The message is per thread: another thread's failure is not seen here. */
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, fail_in_other_thread, NULL) == 0);
+    pthread_join(t, NULL);
+    CHECK(strcmp(he_last_error(), "code 7") == 0);
+    group_end("status");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Host memory                                                              */
+
+static int all_zero(const unsigned char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (p[i])
+            return 0;
+    return 1;
+}
+
+static void test_host_memory(void)
+{
+    group_begin();
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+
+    /* Not a multiple of the page or of first_touch's 2 MiB block, so the
+     * last block is a partial one. */
+    size_t bytes = (5u << 20) + 123;
+    void *p = NULL;
+    CHECK_ST(he_host_alloc(bytes, &p), HE_OK);
+    CHECK(p != NULL);
+    if (p) {
+        CHECK((uintptr_t)p % page == 0);
+        CHECK(all_zero(p, bytes));
+        /* first_touch writes zeros over whatever is there, from several
+         * threads. */
+        memset(p, 0xAB, bytes);
+        for (int t = 1; t <= 3; t += 2) {
+            set_threads(t);
+            CHECK_ST(he_host_first_touch(p, bytes), HE_OK);
+            CHECK(all_zero(p, bytes));
+            memset(p, 0xCD, bytes);
+        }
+        CHECK_ST(he_host_first_touch(p, 0), HE_OK);
+        CHECK(((unsigned char *)p)[0] == 0xCD);
+        he_host_free(p, bytes);
+    }
+
+    /* Zero bytes: still a valid mapping (one page). */
+    void *z = NULL;
+    CHECK_ST(he_host_alloc(0, &z), HE_OK);
+    CHECK(z != NULL);
+    he_host_free(z, 0);
+    he_host_free(NULL, 123); /* a no-op */
+
+    /* 4 EiB: more than any address space; the message gives the size. */
+    void *huge = (void *)&huge;
+    CHECK_ST(he_host_alloc((size_t)1 << 62, &huge), HE_ERR_NOMEM);
+    CHECK(huge == NULL);
+    CHECK_MSG("4611686018427387904");
+
+    /* Rounding SIZE_MAX up to whole pages overflows. */
+    huge = (void *)&huge;
+    CHECK_ST(he_host_alloc(SIZE_MAX, &huge), HE_ERR_NOMEM);
+    CHECK(huge == NULL);
+    CHECK_MSG("18446744073709551615");
+
+    set_threads(1);
+    group_end("host_memory");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Thread pool                                                              */
+
+typedef struct cover_ctx {
+    atomic_int *hits; /* [n]: how often each index was handed out */
+    int64_t n, grain;
+    atomic_int bad_range;   /* a call with begin/end outside [0, n) or empty */
+    atomic_int short_chunk; /* a chunk below grain that is not the last one */
+} cover_ctx;
+
+static void cover_init(cover_ctx *c, int64_t n, int64_t grain)
+{
+    c->hits = xmalloc((size_t)(n > 0 ? n : 1) * sizeof *c->hits);
+    for (int64_t i = 0; i < n; i++)
+        atomic_init(&c->hits[i], 0);
+    c->n = n;
+    c->grain = grain;
+    atomic_init(&c->bad_range, 0);
+    atomic_init(&c->short_chunk, 0);
+}
+
+static void cover_fn(void *ctx, int64_t begin, int64_t end)
+{
+    cover_ctx *c = ctx;
+    if (begin < 0 || end > c->n || begin >= end) {
+        atomic_fetch_add(&c->bad_range, 1);
+        return;
+    }
+    if (end - begin < c->grain && end != c->n)
+        atomic_fetch_add(&c->short_chunk, 1);
+    for (int64_t i = begin; i < end; i++)
+        atomic_fetch_add(&c->hits[i], 1);
+}
+
+/* Every index hit exactly once; returns the first index that was not. */
+static int64_t cover_first_wrong(const cover_ctx *c)
+{
+    for (int64_t i = 0; i < c->n; i++)
+        if (atomic_load(&c->hits[i]) != 1)
+            return i;
+    return -1;
+}
+
+/* Nested parallel_for from inside a job: must neither deadlock nor lose
+ * work (the inner call runs on the calling thread). */
+#define NEST_OUTER 64
+#define NEST_INNER 100
+
+typedef struct nest_ctx {
+    cover_ctx inner[NEST_OUTER];
+} nest_ctx;
+
+static void nest_fn(void *ctx, int64_t begin, int64_t end)
+{
+    nest_ctx *nc = ctx;
+    for (int64_t i = begin; i < end; i++)
+        he_parallel_for(NEST_INNER, 1, cover_fn, &nc->inner[i]);
+}
+
+/* Several threads of the program calling the pool at once, as two Python
+ * threads with the GIL released would. */
+typedef struct caller_arg {
+    int rounds_ok;
+} caller_arg;
+
+static void *concurrent_caller(void *arg)
+{
+    caller_arg *a = arg;
+    a->rounds_ok = 0;
+    for (int r = 0; r < 20; r++) {
+        cover_ctx c;
+        cover_init(&c, 10000, 1);
+        if (he_parallel_for(c.n, 1, cover_fn, &c) == HE_OK && cover_first_wrong(&c) < 0 &&
+            atomic_load(&c.bad_range) == 0)
+            a->rounds_ok++;
+        free(c.hits);
+    }
+    return NULL;
+}
+
+static void test_thread_pool(void)
+{
+    group_begin();
+    int before = he_get_num_threads();
+    CHECK(before >= 1);
+    CHECK_ST(he_set_num_threads(0), HE_ERR_VALUE);
+    CHECK_MSG("got 0");
+    CHECK_ST(he_set_num_threads(-3), HE_ERR_VALUE);
+    CHECK_ST(he_set_num_threads(1 << 20), HE_ERR_VALUE);
+    CHECK(he_get_num_threads() == before); /* a refused value changes nothing */
+
+    static const int threads[] = {1, 2, 3, 8};
+    static const int64_t sizes[] = {0, 1, 7, 100000};
+    static const int64_t grains[] = {1, 1000};
+    for (size_t t = 0; t < sizeof threads / sizeof *threads; t++) {
+        set_threads(threads[t]);
+        CHECK(he_get_num_threads() == threads[t]);
+        for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++) {
+            for (size_t g = 0; g < sizeof grains / sizeof *grains; g++) {
+                cover_ctx c;
+                cover_init(&c, sizes[s], grains[g]);
+                CHECK_ST(he_parallel_for(c.n, c.grain, cover_fn, &c), HE_OK);
+                int64_t wrong = cover_first_wrong(&c);
+                CHECKF(wrong < 0, "threads %d n %" PRId64 " grain %" PRId64 ": index %" PRId64 " hit %d times",
+                       threads[t], c.n, c.grain, wrong, wrong < 0 ? 1 : atomic_load(&c.hits[wrong]));
+                CHECKF(atomic_load(&c.bad_range) == 0, "threads %d n %" PRId64 " grain %" PRId64, threads[t], c.n,
+                       c.grain);
+                CHECKF(atomic_load(&c.short_chunk) == 0, "threads %d n %" PRId64 " grain %" PRId64, threads[t],
+                       c.n, c.grain);
+                free(c.hits);
+            }
+        }
+        /* grain < 1 is treated as 1. */
+        cover_ctx c;
+        cover_init(&c, 1000, 0);
+        CHECK_ST(he_parallel_for(c.n, 0, cover_fn, &c), HE_OK);
+        CHECK(cover_first_wrong(&c) < 0);
+        free(c.hits);
+    }
+
+    /* Nested calls. */
+    set_threads(8);
+    nest_ctx *nc = xmalloc(sizeof *nc);
+    for (int i = 0; i < NEST_OUTER; i++)
+        cover_init(&nc->inner[i], NEST_INNER, 1);
+    CHECK_ST(he_parallel_for(NEST_OUTER, 1, nest_fn, nc), HE_OK);
+    int nested_ok = 1;
+    for (int i = 0; i < NEST_OUTER; i++) {
+        nested_ok &= cover_first_wrong(&nc->inner[i]) < 0 && atomic_load(&nc->inner[i].bad_range) == 0;
+        free(nc->inner[i].hits);
+    }
+    CHECK(nested_ok);
+    free(nc);
+
+    /* Concurrent callers. */
+    enum { CALLERS = 4 };
+    pthread_t callers[CALLERS];
+    caller_arg args[CALLERS];
+    for (int i = 0; i < CALLERS; i++)
+        CHECK(pthread_create(&callers[i], NULL, concurrent_caller, &args[i]) == 0);
+    for (int i = 0; i < CALLERS; i++) {
+        pthread_join(callers[i], NULL);
+        CHECKF(args[i].rounds_ok == 20, "caller %d: %d of 20 rounds right", i, args[i].rounds_ok);
+    }
+
+    set_threads(1);
+    group_end("thread_pool");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Dedup                                                                    */
+
+static int cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* A batch held in both layouts so each case runs for int32 and int64. */
+typedef struct batch {
+    int64_t *ids64;
+    int32_t *ids32; /* NULL where an id does not fit */
+    int64_t n;
+} batch;
+
+static batch batch_new(int64_t n)
+{
+    batch b = {xmalloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t)), NULL, n};
+    return b;
+}
+
+/* Call after filling ids64. */
+static void batch_finish(batch *b)
+{
+    int fits = 1;
+    for (int64_t i = 0; i < b->n; i++)
+        fits &= b->ids64[i] >= INT32_MIN && b->ids64[i] <= INT32_MAX;
+    if (fits) {
+        b->ids32 = xmalloc((size_t)(b->n > 0 ? b->n : 1) * sizeof(int32_t));
+        for (int64_t i = 0; i < b->n; i++)
+            b->ids32[i] = (int32_t)b->ids64[i];
+    }
+}
+
+static void batch_free(batch *b)
+{
+    free(b->ids64);
+    free(b->ids32);
+}
+
+static he_ids batch_ids(const batch *b, int is_int64)
+{
+    he_ids ids = {is_int64 ? (const void *)b->ids64 : (const void *)b->ids32, b->n, is_int64};
+    return ids;
+}
+
+/* Checks d against a sort of the ids done here. On failure writes why. */
+static int dedup_matches(const batch *b, int64_t num_rows, const he_dedup *d, char *why, size_t why_len)
+{
+    int64_t n = b->n;
+    if (d->count != n) {
+        snprintf(why, why_len, "count %" PRId64 ", want %" PRId64, d->count, n);
+        return 0;
+    }
+    int64_t *sorted = xdup(b->ids64, (size_t)n * sizeof *sorted);
+    qsort(sorted, (size_t)n, sizeof *sorted, cmp_i64);
+    int64_t u = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (i == 0 || sorted[i] != sorted[i - 1])
+            sorted[u++] = sorted[i]; /* distinct ids, ascending, in place */
+    int ok = 0;
+    unsigned char *seen = calloc((size_t)(n > 0 ? n : 1), 1);
+    if (!seen)
+        exit(2);
+    if (d->num_unique != u) {
+        snprintf(why, why_len, "num_unique %" PRId64 ", want %" PRId64, d->num_unique, u);
+        goto out;
+    }
+    if (d->offsets[0] != 0 || d->offsets[u] != n) {
+        snprintf(why, why_len, "offsets run from %" PRId64 " to %" PRId64, d->offsets[0], d->offsets[u]);
+        goto out;
+    }
+    for (int64_t k = 0; k < u; k++) {
+        if (d->unique[k] != sorted[k] || d->unique[k] < 0 || d->unique[k] >= num_rows) {
+            snprintf(why, why_len, "unique[%" PRId64 "] = %" PRId64 ", want %" PRId64, k, d->unique[k], sorted[k]);
+            goto out;
+        }
+        if (d->offsets[k + 1] <= d->offsets[k]) {
+            snprintf(why, why_len, "offsets[%" PRId64 "..] not increasing", k);
+            goto out;
+        }
+        for (int64_t i = d->offsets[k]; i < d->offsets[k + 1]; i++) {
+            uint32_t p = d->order[i];
+            if ((int64_t)p >= n || seen[p] || b->ids64[p] != d->unique[k] ||
+                (i > d->offsets[k] && p <= d->order[i - 1])) {
+                snprintf(why, why_len, "order[%" PRId64 "] = %" PRIu32 " wrong for id %" PRId64, i, p,
+                         d->unique[k]);
+                goto out;
+            }
+            seen[p] = 1;
+        }
+    }
+    /* offsets[u] == n and every position seen at most once: a permutation. */
+    ok = 1;
+out:
+    free(seen);
+    free(sorted);
+    return ok;
+}
+
+/* Builds the dedup of b for each id width that holds it and checks it. */
+static void check_dedup_case(const char *label, const batch *b, int64_t num_rows)
+{
+    for (int is_int64 = 1; is_int64 >= 0; is_int64--) {
+        if (!is_int64 && !b->ids32)
+            continue;
+        he_ids ids = batch_ids(b, is_int64);
+        he_dedup *d = NULL;
+        he_status st = he_dedup_build(&ids, num_rows, &d);
+        CHECKF(st == HE_OK && d != NULL, "%s (int%d): status %d: %s", label, is_int64 ? 64 : 32, (int)st,
+               he_last_error());
+        if (st == HE_OK && d) {
+            char why[200] = "";
+            CHECKF(dedup_matches(b, num_rows, d, why, sizeof why), "%s (int%d): %s", label, is_int64 ? 64 : 32,
+                   why);
+        }
+        he_dedup_free(d);
+    }
+}
+
+/* A bad id is refused with a message naming it, its position and num_rows. */
+static void check_dedup_refuses(const char *label, const batch *b, int64_t num_rows, int64_t bad_pos)
+{
+    char want_id[64], want_rows[64];
+    snprintf(want_id, sizeof want_id, "id %" PRId64 " at position %" PRId64 " ", b->ids64[bad_pos], bad_pos);
+    snprintf(want_rows, sizeof want_rows, "[0, %" PRId64 ")", num_rows);
+    for (int is_int64 = 1; is_int64 >= 0; is_int64--) {
+        if (!is_int64 && !b->ids32)
+            continue;
+        he_ids ids = batch_ids(b, is_int64);
+        he_dedup *d = (he_dedup *)&d; /* must be reset to NULL */
+        he_status st = he_dedup_build(&ids, num_rows, &d);
+        CHECKF(st == HE_ERR_INDEX, "%s (int%d): status %d", label, is_int64 ? 64 : 32, (int)st);
+        CHECKF(d == NULL, "%s", label);
+        CHECK_MSG(want_id);
+        CHECK_MSG(want_rows);
+        if (st == HE_OK)
+            he_dedup_free(d);
+    }
+}
+
+static void test_dedup(void)
+{
+    group_begin();
+    char label[96];
+
+    /* Empty batch, with the NULL data pointer torch may hand over for it. */
+    {
+        for (int is_int64 = 0; is_int64 <= 1; is_int64++) {
+            he_ids ids = {NULL, 0, is_int64};
+            he_dedup *d = NULL;
+            CHECK_ST(he_dedup_build(&ids, 10, &d), HE_OK);
+            CHECK(d && d->count == 0 && d->num_unique == 0 && d->offsets[0] == 0);
+            he_dedup_free(d);
+        }
+        he_dedup_free(NULL); /* a no-op */
+    }
+
+    /* num_rows = 1 (a key of 0 bits: no radix pass at all). */
+    {
+        batch b = batch_new(17);
+        for (int64_t i = 0; i < b.n; i++)
+            b.ids64[i] = 0;
+        batch_finish(&b);
+        check_dedup_case("num_rows 1", &b, 1);
+        batch_free(&b);
+    }
+
+    /* One id repeated, and a single id. */
+    {
+        batch b = batch_new(1000);
+        for (int64_t i = 0; i < b.n; i++)
+            b.ids64[i] = 5;
+        batch_finish(&b);
+        check_dedup_case("all same", &b, 10);
+        batch_free(&b);
+        b = batch_new(1);
+        b.ids64[0] = 9;
+        batch_finish(&b);
+        check_dedup_case("single max id", &b, 10);
+        batch_free(&b);
+    }
+
+    /* Random batches with many duplicates, always including 0 and
+     * num_rows - 1. The sizes give 1, 2, 3, 4 and 6 radix passes of 11 bits,
+     * so the sorted positions end in either buffer. */
+    static const int64_t rows[] = {100, 2000000, (int64_t)INT32_MAX + 1, 3000000000LL, 1LL << 40, INT64_MAX};
+    static const int64_t sizes[] = {5000, 20000};
+    for (size_t r = 0; r < sizeof rows / sizeof *rows; r++) {
+        for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++) {
+            batch b = batch_new(sizes[s]);
+            /* Draw from a pool smaller than the batch so ids repeat. */
+            int64_t pool_n = sizes[s] / 4;
+            int64_t *pool = xmalloc((size_t)pool_n * sizeof *pool);
+            for (int64_t i = 0; i < pool_n; i++)
+                pool[i] = rng_below((uint64_t)rows[r]);
+            pool[0] = 0;
+            pool[1] = rows[r] - 1;
+            for (int64_t i = 0; i < b.n; i++)
+                b.ids64[i] = pool[rng_below((uint64_t)pool_n)];
+            b.ids64[b.n - 1] = rows[r] - 1;
+            batch_finish(&b);
+            snprintf(label, sizeof label, "random num_rows %" PRId64 " n %" PRId64, rows[r], b.n);
+            check_dedup_case(label, &b, rows[r]);
+            free(pool);
+            batch_free(&b);
+        }
+    }
+
+    /* Already sorted and reverse sorted input. */
+    {
+        batch b = batch_new(3000);
+        for (int64_t i = 0; i < b.n; i++)
+            b.ids64[i] = i / 3;
+        batch_finish(&b);
+        check_dedup_case("sorted", &b, 1000);
+        for (int64_t i = 0; i < b.n; i++)
+            b.ids64[i] = 999 - i / 3;
+        free(b.ids32);
+        batch_finish(&b);
+        check_dedup_case("reversed", &b, 1000);
+        batch_free(&b);
+    }
+
+    /* Out of range: id == num_rows, id == -1, and the first of several. */
+    {
+        batch b = batch_new(10);
+        for (int64_t i = 0; i < b.n; i++)
+            b.ids64[i] = i % 7;
+        b.ids64[4] = 7;
+        batch_finish(&b);
+        check_dedup_refuses("id == num_rows", &b, 7, 4);
+        batch_free(&b);
+
+        b = batch_new(10);
+        for (int64_t i = 0; i < b.n; i++)
+            b.ids64[i] = i % 7;
+        b.ids64[0] = -1;
+        batch_finish(&b);
+        check_dedup_refuses("id == -1", &b, 7, 0);
+        batch_free(&b);
+
+        b = batch_new(10);
+        for (int64_t i = 0; i < b.n; i++)
+            b.ids64[i] = i % 7;
+        b.ids64[3] = -1;
+        b.ids64[6] = 7;
+        b.ids64[9] = 1000;
+        batch_finish(&b);
+        check_dedup_refuses("several bad", &b, 7, 3);
+        batch_free(&b);
+
+        /* Large num_rows, int64 only. */
+        b = batch_new(3);
+        b.ids64[0] = 0;
+        b.ids64[1] = 3000000000LL;
+        b.ids64[2] = 2999999999LL;
+        batch_finish(&b);
+        check_dedup_refuses("id == 3e9", &b, 3000000000LL, 1);
+        batch_free(&b);
+    }
+
+    /* A batch too long for the uint32 positions, or of negative length, is
+     * refused before the ids are read (so no data is needed). */
+    {
+        he_ids ids = {NULL, (int64_t)UINT32_MAX + 1, 1};
+        he_dedup *d = NULL;
+        CHECK_ST(he_dedup_build(&ids, 10, &d), HE_ERR_VALUE);
+        CHECK(d == NULL);
+        CHECK_MSG("4294967296");
+        ids.count = -1;
+        CHECK_ST(he_dedup_build(&ids, 10, &d), HE_ERR_VALUE);
+        CHECK(d == NULL);
+    }
+    group_end("dedup");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Gather                                                                   */
+
+static void test_gather(void)
+{
+    group_begin();
+    const int64_t num_rows = 1000, dim = 37, n = 5000;
+    float *table = xmalloc((size_t)(num_rows * dim) * sizeof *table);
+    fill_uniform(table, num_rows * dim, -2.0, 2.0);
+    /* Values an arithmetic copy could alter; a byte copy keeps them. */
+    table[0] = -0.0f;
+    table[1] = NAN;
+    table[2] = INFINITY;
+    table[3] = FLT_TRUE_MIN;
+    float *table_copy = xdup(table, (size_t)(num_rows * dim) * sizeof *table);
+
+    batch b = batch_new(n);
+    for (int64_t i = 0; i < n; i++)
+        b.ids64[i] = rng_below((uint64_t)num_rows);
+    b.ids64[0] = 0;
+    b.ids64[n - 1] = num_rows - 1;
+    batch_finish(&b);
+
+    float *want = xmalloc((size_t)(n * dim) * sizeof *want);
+    for (int64_t i = 0; i < n; i++)
+        memcpy(want + i * dim, table + b.ids64[i] * dim, (size_t)dim * sizeof *want);
+    float *out = xmalloc((size_t)(n * dim) * sizeof *out);
+
+    static const int threads[] = {1, 3, 8};
+    for (size_t t = 0; t < sizeof threads / sizeof *threads; t++) {
+        set_threads(threads[t]);
+        for (int is_int64 = 0; is_int64 <= 1; is_int64++) {
+            he_ids ids = batch_ids(&b, is_int64);
+            memset(out, 0xFF, (size_t)(n * dim) * sizeof *out);
+            CHECK_ST(he_gather(table, num_rows, dim, &ids, out), HE_OK);
+            CHECKF(memcmp(out, want, (size_t)(n * dim) * sizeof *out) == 0, "threads %d int%d", threads[t],
+                   is_int64 ? 64 : 32);
+        }
+    }
+    CHECK(memcmp(table, table_copy, (size_t)(num_rows * dim) * sizeof *table) == 0);
+
+    /* Empty batch; zero-width rows. */
+    {
+        he_ids ids = {NULL, 0, 1};
+        CHECK_ST(he_gather(table, num_rows, dim, &ids, out), HE_OK);
+        he_ids some = batch_ids(&b, 1);
+        CHECK_ST(he_gather(table, num_rows, 0, &some, out), HE_OK);
+    }
+
+    /* Bad ids: many small chunks (dim 4 -> ~1000 rows a chunk), bad ids in
+     * several of them, the lowest not in the first chunk; the error must name
+     * the lowest position whichever thread finds it first. */
+    {
+        const int64_t bn = 100000, bdim = 4;
+        batch bb = batch_new(bn);
+        for (int64_t i = 0; i < bn; i++)
+            bb.ids64[i] = rng_below((uint64_t)num_rows);
+        bb.ids64[99999] = 123456;
+        bb.ids64[70000] = num_rows;
+        bb.ids64[40000] = -1;
+        bb.ids64[40001] = num_rows;
+        batch_finish(&bb);
+        float *bout = xmalloc((size_t)(bn * bdim) * sizeof *bout);
+        for (size_t t = 0; t < sizeof threads / sizeof *threads; t++) {
+            set_threads(threads[t]);
+            for (int is_int64 = 0; is_int64 <= 1; is_int64++) {
+                he_ids ids = batch_ids(&bb, is_int64);
+                CHECK_ST(he_gather(table, num_rows, bdim, &ids, bout), HE_ERR_INDEX);
+                CHECK_MSG("id -1 at position 40000 ");
+                CHECK_MSG("1000 rows");
+            }
+        }
+        /* The bad id at position 0; and at the very end. */
+        set_threads(8);
+        bb.ids64[0] = num_rows;
+        free(bb.ids32);
+        batch_finish(&bb);
+        for (int is_int64 = 0; is_int64 <= 1; is_int64++) {
+            he_ids ids = batch_ids(&bb, is_int64);
+            CHECK_ST(he_gather(table, num_rows, bdim, &ids, bout), HE_ERR_INDEX);
+            CHECK_MSG("id 1000 at position 0 ");
+        }
+        /* Zero-width rows still check the ids. */
+        he_ids ids = batch_ids(&bb, 1);
+        CHECK_ST(he_gather(table, num_rows, 0, &ids, bout), HE_ERR_INDEX);
+        CHECK_MSG("id 1000 at position 0 ");
+        bb.n = 40000; /* only the last id bad now */
+        bb.ids64[0] = 0;
+        bb.ids64[bb.n - 1] = num_rows;
+        ids = batch_ids(&bb, 1);
+        CHECK_ST(he_gather(table, num_rows, bdim, &ids, bout), HE_ERR_INDEX);
+        CHECK_MSG("id 1000 at position 39999 ");
+        bb.n = bn;
+        free(bout);
+        batch_free(&bb);
+    }
+    CHECK(memcmp(table, table_copy, (size_t)(num_rows * dim) * sizeof *table) == 0);
+
+    set_threads(1);
+    free(out);
+    free(want);
+    batch_free(&b);
+    free(table_copy);
+    free(table);
+    group_end("gather");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Gradient reduction                                                       */
+
+/* Runs he_grad_reduce for one option set on `threads` threads into freshly
+ * allocated outputs sized for exactly the rows the contract promises, so an
+ * extra row written would be caught by ASan. */
+static he_status reduce_once(const he_dedup *d, const float *grad, int64_t dim, he_reduce_opts opts,
+                             int64_t want_count, float **values, int64_t **indices, int64_t *count)
+{
+    *values = xmalloc((size_t)(want_count * dim) * sizeof **values);
+    *indices = xmalloc((size_t)want_count * sizeof **indices);
+    *count = -7;
+    return he_grad_reduce(d, grad, dim, &opts, *values, *indices, count);
+}
+
+static void test_grad_reduce(void)
+{
+    group_begin();
+    const int64_t num_rows = 5000, n = 30000, dim = 33;
+    batch b = batch_new(n);
+    /* Skewed: a few ids very often, most rarely (like a Zipf batch). */
+    for (int64_t i = 0; i < n; i++) {
+        double r = rng_uniform(0.0, 1.0);
+        b.ids64[i] = (int64_t)(r * r * r * (double)num_rows);
+    }
+    batch_finish(&b);
+    float *grad = xmalloc((size_t)(n * dim) * sizeof *grad);
+    fill_uniform(grad, n * dim, -1.0, 1.0);
+
+    he_ids ids = batch_ids(&b, 1);
+    he_dedup *d = NULL;
+    CHECK_ST(he_dedup_build(&ids, num_rows, &d), HE_OK);
+    if (!d) {
+        group_end("grad_reduce");
+        return;
+    }
+    const int64_t u = d->num_unique;
+    /* Enough unique ids for several chunks (grain is 8192/dim + 1). */
+    CHECK(u > 4 * (8192 / dim + 1));
+    /* An id absent from the batch, for a padding_idx that removes nothing. */
+    int64_t absent = -1;
+    for (int64_t k = 0; k + 1 < u && absent < 0; k++)
+        if (d->unique[k + 1] > d->unique[k] + 1)
+            absent = d->unique[k] + 1;
+    CHECK(absent >= 0);
+
+    const int64_t paddings[] = {-1, d->unique[0], d->unique[u / 2], d->unique[u - 1], absent};
+    double *ref = xmalloc((size_t)(u * dim) * sizeof *ref);
+    double *mag = xmalloc((size_t)(u * dim) * sizeof *mag); /* sum of |terms|, for the tolerance */
+    for (int scale = 0; scale <= 1; scale++) {
+        /* Reference in double, from the batch directly (not from d). */
+        memset(ref, 0, (size_t)(u * dim) * sizeof *ref);
+        memset(mag, 0, (size_t)(u * dim) * sizeof *mag);
+        int64_t *freq = calloc((size_t)num_rows, sizeof *freq);
+        int64_t *slot_of = xmalloc((size_t)num_rows * sizeof *slot_of);
+        for (int64_t i = 0; i < n; i++)
+            freq[b.ids64[i]]++;
+        int64_t slots = 0;
+        for (int64_t id = 0; id < num_rows; id++)
+            slot_of[id] = freq[id] ? slots++ : -1;
+        CHECK(slots == u);
+        for (int64_t i = 0; i < n; i++) {
+            int64_t id = b.ids64[i];
+            double f = scale ? 1.0 / (double)freq[id] : 1.0;
+            for (int64_t j = 0; j < dim; j++) {
+                ref[slot_of[id] * dim + j] += (double)grad[i * dim + j] * f;
+                mag[slot_of[id] * dim + j] += fabs((double)grad[i * dim + j] * f);
+            }
+        }
+
+        for (size_t pi = 0; pi < sizeof paddings / sizeof *paddings; pi++) {
+            int64_t pad = paddings[pi];
+            int64_t pad_slot = pad >= 0 ? slot_of[pad] : -1;
+            int64_t want_count = u - (pad_slot >= 0);
+            he_reduce_opts opts = {pad, scale};
+            float *first_values = NULL;
+            int64_t *first_indices = NULL;
+            static const int threads[] = {1, 2, 5};
+            for (size_t t = 0; t < sizeof threads / sizeof *threads; t++) {
+                set_threads(threads[t]);
+                float *values;
+                int64_t *indices, count;
+                CHECK_ST(reduce_once(d, grad, dim, opts, want_count, &values, &indices, &count), HE_OK);
+                CHECKF(count == want_count, "count %" PRId64 ", want %" PRId64, count, want_count);
+                if (count != want_count) {
+                    free(values);
+                    free(indices);
+                    continue;
+                }
+                if (t == 0) {
+                    /* Against the reference: ids ascending with the padding
+                     * id left out and the later ones shifted up. */
+                    int idx_ok = 1, val_ok = 1;
+                    int64_t out = 0;
+                    for (int64_t id = 0; id < num_rows; id++) {
+                        int64_t s = slot_of[id];
+                        if (s < 0 || s == pad_slot)
+                            continue;
+                        idx_ok &= indices[out] == id;
+                        for (int64_t j = 0; j < dim; j++) {
+                            double got = values[out * dim + j], want = ref[s * dim + j];
+                            /* Recursive float summation errs by at most about
+                             * count * eps * sum|terms|; the scaled path adds
+                             * one rounding per term. */
+                            double tol = 2.0 * (double)freq[id] * FLT_EPSILON * mag[s * dim + j] + 1e-30;
+                            if (!(fabs(got - want) <= tol)) {
+                                if (val_ok)
+                                    fprintf(stderr, "    id %" PRId64 " [%" PRId64 "]: %.9g vs %.9g (tol %.3g)\n",
+                                            id, j, got, want, tol);
+                                val_ok = 0;
+                            }
+                        }
+                        out++;
+                    }
+                    CHECKF(idx_ok, "indices, padding %" PRId64 " scale %d", pad, scale);
+                    CHECKF(val_ok, "values, padding %" PRId64 " scale %d", pad, scale);
+                    first_values = values;
+                    first_indices = indices;
+                } else {
+                    /* Bit for bit the same whatever the thread count. */
+                    CHECKF(memcmp(values, first_values, (size_t)(count * dim) * sizeof *values) == 0 &&
+                               memcmp(indices, first_indices, (size_t)count * sizeof *indices) == 0,
+                           "threads %d differ from 1, padding %" PRId64 " scale %d", threads[t], pad, scale);
+                    free(values);
+                    free(indices);
+                }
+            }
+            free(first_values);
+            free(first_indices);
+        }
+        free(freq);
+        free(slot_of);
+    }
+    free(ref);
+    free(mag);
+    he_dedup_free(d);
+
+    /* A single row repeated: scale_grad_by_freq gives the mean. Values are
+     * multiples of 1/4 so every sum is exact. */
+    {
+        int64_t one[4] = {2, 2, 2, 2};
+        float g[4 * 2] = {1, 2, 3, 4, 5, 6, 7, 8};
+        he_ids oids = {one, 4, 1};
+        he_dedup *od = NULL;
+        CHECK_ST(he_dedup_build(&oids, 3, &od), HE_OK);
+        float v[2];
+        int64_t idx, cnt;
+        he_reduce_opts mean = {-1, 1}, sum = {-1, 0};
+        CHECK_ST(he_grad_reduce(od, g, 2, &mean, v, &idx, &cnt), HE_OK);
+        CHECK(cnt == 1 && idx == 2 && v[0] == 4.0f && v[1] == 5.0f);
+        CHECK_ST(he_grad_reduce(od, g, 2, &sum, v, &idx, &cnt), HE_OK);
+        CHECK(cnt == 1 && idx == 2 && v[0] == 16.0f && v[1] == 20.0f);
+        he_reduce_opts pad = {2, 0};
+        CHECK_ST(he_grad_reduce(od, g, 2, &pad, v, &idx, &cnt), HE_OK);
+        CHECK(cnt == 0);
+        he_dedup_free(od);
+    }
+
+    /* Empty batch. */
+    {
+        he_ids none = {NULL, 0, 1};
+        he_dedup *ed = NULL;
+        CHECK_ST(he_dedup_build(&none, 3, &ed), HE_OK);
+        float v[1];
+        int64_t idx[1], cnt = -1;
+        he_reduce_opts opts = {0, 1};
+        CHECK_ST(he_grad_reduce(ed, grad, dim, &opts, v, idx, &cnt), HE_OK);
+        CHECK(cnt == 0);
+        he_dedup_free(ed);
+    }
+
+    set_threads(1);
+    free(grad);
+    batch_free(&b);
+    group_end("grad_reduce");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Renorm                                                                   */
+
+/* The p-norm in double (p = INFINITY: max |x|). */
+static double ref_norm(const float *row, int64_t dim, double p)
+{
+    double acc = 0.0;
+    for (int64_t j = 0; j < dim; j++) {
+        double a = fabs((double)row[j]);
+        if (isinf(p))
+            acc = a > acc ? a : acc;
+        else
+            acc += pow(a, p);
+    }
+    return isinf(p) ? acc : pow(acc, 1.0 / p);
+}
+
+static void test_renorm(void)
+{
+    group_begin();
+    const int64_t num_rows = 3000, dim = 19, referenced = 2000;
+    const double max_norm = 1.5;
+    const double ps[] = {1.0, 2.0, 3.0, INFINITY};
+    float *table = xmalloc((size_t)(num_rows * dim) * sizeof *table);
+    float *before = xmalloc((size_t)(num_rows * dim) * sizeof *before);
+    float *first = xmalloc((size_t)(num_rows * dim) * sizeof *first);
+
+    /* Rows 0..referenced-1 appear in the batch (with repeats), the rest
+     * never; both kinds get norms well under and well over max_norm, so no
+     * row sits at the boundary where rounding would decide. */
+    batch b = batch_new(3 * referenced);
+    for (int64_t i = 0; i < b.n; i++)
+        b.ids64[i] = i < referenced ? i : rng_below((uint64_t)referenced);
+    batch_finish(&b);
+    he_ids ids = batch_ids(&b, 0);
+    he_dedup *d = NULL;
+    CHECK_ST(he_dedup_build(&ids, num_rows, &d), HE_OK);
+    if (!d) {
+        group_end("renorm");
+        return;
+    }
+
+    for (size_t pi = 0; pi < sizeof ps / sizeof *ps; pi++) {
+        double p = ps[pi];
+        int over_count = 0;
+        for (int64_t r = 0; r < num_rows; r++) {
+            float *row = table + r * dim;
+            fill_uniform(row, dim, -1.0, 1.0);
+            int over = rng_below(2) == 0;
+            over_count += over && r < referenced;
+            double target = over ? rng_uniform(1.2, 8.0) * max_norm : rng_uniform(0.1, 0.9) * max_norm;
+            double s = target / ref_norm(row, dim, p);
+            for (int64_t j = 0; j < dim; j++)
+                row[j] = (float)(row[j] * s);
+        }
+        CHECK(over_count > 100);
+        memcpy(before, table, (size_t)(num_rows * dim) * sizeof *table);
+
+        static const int threads[] = {1, 4};
+        for (size_t t = 0; t < sizeof threads / sizeof *threads; t++) {
+            set_threads(threads[t]);
+            memcpy(table, before, (size_t)(num_rows * dim) * sizeof *table);
+            CHECK_ST(he_renorm(table, num_rows, dim, d, max_norm, p), HE_OK);
+            if (t > 0) {
+                CHECKF(memcmp(table, first, (size_t)(num_rows * dim) * sizeof *table) == 0,
+                       "p %g: threads %d differ from 1", p, threads[t]);
+                continue;
+            }
+            memcpy(first, table, (size_t)(num_rows * dim) * sizeof *table);
+            int64_t bad_under = -1, bad_unref = -1, bad_over = -1;
+            for (int64_t r = 0; r < num_rows; r++) {
+                const float *old = before + r * dim, *now = table + r * dim;
+                double old_norm = ref_norm(old, dim, p);
+                int same = memcmp(old, now, (size_t)dim * sizeof *now) == 0;
+                if (r >= referenced) {
+                    if (!same && bad_unref < 0)
+                        bad_unref = r;
+                } else if (old_norm <= max_norm) {
+                    if (!same && bad_under < 0)
+                        bad_under = r;
+                } else {
+                    /* Scaled to max_norm (just under: the core divides by
+                     * norm + 1e-7), every element by the same factor. */
+                    double new_norm = ref_norm(now, dim, p);
+                    double s = max_norm / old_norm;
+                    int ok = fabs(new_norm / max_norm - 1.0) <= 1e-5 && new_norm <= max_norm * (1.0 + 4 * FLT_EPSILON);
+                    for (int64_t j = 0; j < dim; j++)
+                        ok &= fabs((double)now[j] - old[j] * s) <= 4 * FLT_EPSILON * fabs(old[j] * s);
+                    if (!ok && bad_over < 0) {
+                        bad_over = r;
+                        fprintf(stderr, "    p %g row %" PRId64 ": norm %.9g -> %.9g\n", p, r, old_norm, new_norm);
+                    }
+                }
+            }
+            CHECKF(bad_under < 0, "p %g: row %" PRId64 " under max_norm was changed", p, bad_under);
+            CHECKF(bad_unref < 0, "p %g: unreferenced row %" PRId64 " was changed", p, bad_unref);
+            CHECKF(bad_over < 0, "p %g: row %" PRId64 " not scaled to max_norm", p, bad_over);
+        }
+    }
+
+    /* Bad arguments are refused and change nothing. */
+    memcpy(before, table, (size_t)(num_rows * dim) * sizeof *table);
+    CHECK_ST(he_renorm(table, num_rows, dim, d, max_norm, -1.0), HE_ERR_VALUE);
+    CHECK_ST(he_renorm(table, num_rows, dim, d, max_norm, NAN), HE_ERR_VALUE);
+    CHECK_ST(he_renorm(table, num_rows, dim, d, -1.0, 2.0), HE_ERR_VALUE);
+    CHECK_ST(he_renorm(table, num_rows, dim, d, NAN, 2.0), HE_ERR_VALUE);
+    CHECK(memcmp(before, table, (size_t)(num_rows * dim) * sizeof *table) == 0);
+
+    set_threads(1);
+    he_dedup_free(d);
+    batch_free(&b);
+    free(first);
+    free(before);
+    free(table);
+    group_end("renorm");
+}
+
+/* ------------------------------------------------------------------------ */
+/* SparseAdam                                                               */
+
+/* The update as documented in sparse_adam.h, element by element, each
+ * operation a separate float rounding (the file is built with
+ * -ffp-contract=off). indices must be unique; rows are updated in place. */
+static void ref_adam(float *w, float *m, float *v, int64_t dim, const int64_t *indices, const float *values,
+                     int64_t nnz, const he_adam_params *hp)
+{
+    /* Python-float (double) scalars, rounded to float where torch multiplies
+     * a float tensor by them. */
+    const float one_minus_b1 = (float)(1.0 - hp->beta1);
+    const float one_minus_b2 = (float)(1.0 - hp->beta2);
+    const float eps = (float)hp->eps;
+    const double bias1 = 1.0 - pow(hp->beta1, (double)hp->step);
+    const double bias2 = 1.0 - pow(hp->beta2, (double)hp->step);
+    const float neg_step = (float)-(hp->lr * sqrt(bias2) / bias1);
+    for (int64_t k = 0; k < nnz; k++) {
+        for (int64_t j = 0; j < dim; j++) {
+            int64_t at = indices[k] * dim + j;
+            float g = values[k * dim + j];
+            if (hp->maximize)
+                g = -g;
+            float u1 = (g - m[at]) * one_minus_b1;
+            float m1 = m[at] + u1;
+            float gg = g * g;
+            float u2 = (gg - v[at]) * one_minus_b2;
+            float v1 = v[at] + u2;
+            float denom = sqrtf(v1) + eps;
+            float ratio = m1 / denom;
+            float delta = ratio * neg_step;
+            m[at] = m1;
+            v[at] = v1;
+            w[at] = w[at] + delta;
+        }
+    }
+}
+
+/* Optimizer state for a table: w, m, v of [rows, dim]. */
+typedef struct adam_state {
+    float *w, *m, *v;
+    int64_t rows, dim;
+} adam_state;
+
+static adam_state state_new(int64_t rows, int64_t dim)
+{
+    size_t bytes = (size_t)(rows * dim) * sizeof(float);
+    adam_state s = {xmalloc(bytes), xmalloc(bytes), xmalloc(bytes), rows, dim};
+    fill_uniform(s.w, rows * dim, -1.0, 1.0);
+    fill_uniform(s.m, rows * dim, -0.1, 0.1);
+    fill_uniform(s.v, rows * dim, 0.0, 0.01); /* a second moment is >= 0 */
+    return s;
+}
+
+static adam_state state_copy(const adam_state *s)
+{
+    size_t bytes = (size_t)(s->rows * s->dim) * sizeof(float);
+    adam_state c = {xdup(s->w, bytes), xdup(s->m, bytes), xdup(s->v, bytes), s->rows, s->dim};
+    return c;
+}
+
+static int state_equal(const adam_state *a, const adam_state *b)
+{
+    size_t bytes = (size_t)(a->rows * a->dim) * sizeof(float);
+    return memcmp(a->w, b->w, bytes) == 0 && memcmp(a->m, b->m, bytes) == 0 && memcmp(a->v, b->v, bytes) == 0;
+}
+
+static void state_free(adam_state *s)
+{
+    free(s->w);
+    free(s->m);
+    free(s->v);
+}
+
+static he_status core_adam(adam_state *s, const int64_t *indices, const float *values, int64_t nnz,
+                           const he_adam_params *hp)
+{
+    return he_sparse_adam(s->w, s->m, s->v, s->rows, s->dim, indices, values, nnz, hp);
+}
+
+/* Coalesces (indices, values): ascending unique ids and, for each, its rows
+ * summed in float in ascending position order from 0, as the core documents.
+ * Returns the number of unique ids. */
+static int64_t presum(const int64_t *indices, const float *values, int64_t nnz, int64_t rows, int64_t dim,
+                      int64_t *out_idx, float *out_val)
+{
+    int64_t u = 0;
+    for (int64_t id = 0; id < rows; id++) {
+        int found = 0;
+        for (int64_t k = 0; k < nnz; k++) {
+            if (indices[k] != id)
+                continue;
+            if (!found) {
+                out_idx[u] = id;
+                for (int64_t j = 0; j < dim; j++)
+                    out_val[u * dim + j] = 0.0f;
+                found = 1;
+            }
+            for (int64_t j = 0; j < dim; j++)
+                out_val[u * dim + j] += values[k * dim + j];
+        }
+        u += found;
+    }
+    return u;
+}
+
+static void test_sparse_adam(void)
+{
+    group_begin();
+    const int64_t rows = 500, dim = 45;
+    he_adam_params hp = {1e-2, 0.9, 0.999, 1e-8, 1, 0};
+
+    /* Sorted unique indices (the fast path), several steps so the bias
+     * correction changes, both signs, on 1 and 4 threads (grain is
+     * 4096/dim + 1 = 92 rows, so 4 threads split the 300 rows). */
+    {
+        const int64_t nnz = 300;
+        int64_t *idx = xmalloc((size_t)nnz * sizeof *idx);
+        int64_t at = 0;
+        for (int64_t r = 0; r < rows && at < nnz; r++)
+            if (rng_below((uint64_t)(rows - r)) < nnz - at) /* sample without replacement */
+                idx[at++] = r;
+        CHECK(at == nnz && idx[nnz - 1] < rows);
+        float *g = xmalloc((size_t)(nnz * dim) * sizeof *g);
+        for (int maximize = 0; maximize <= 1; maximize++) {
+            for (int threads = 1; threads <= 4; threads += 3) {
+                set_threads(threads);
+                g_rng = 12345; /* the same data for every thread count */
+                adam_state s = state_new(rows, dim), r = state_copy(&s);
+                int steps_ok = 1;
+                for (int64_t step = 1; step <= 5; step++) {
+                    fill_uniform(g, nnz * dim, -1.0, 1.0);
+                    hp.step = step;
+                    hp.maximize = maximize;
+                    CHECK_ST(core_adam(&s, idx, g, nnz, &hp), HE_OK);
+                    ref_adam(r.w, r.m, r.v, dim, idx, g, nnz, &hp);
+                    steps_ok &= state_equal(&s, &r);
+                }
+                CHECKF(steps_ok, "sorted indices, maximize %d, threads %d: not bitwise equal to the reference",
+                       maximize, threads);
+                state_free(&s);
+                state_free(&r);
+            }
+        }
+        hp.maximize = 0;
+        free(g);
+        free(idx);
+    }
+
+    /* Unsorted indices with repeats: the same as updating with the
+     * pre-summed rows, both through the core's fast path and the reference. */
+    {
+        static const int64_t cases[][2] = {{400, 300}, {7, 3}, {50, 500}}; /* nnz, ids drawn from [0, n) */
+        for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+            const int64_t nnz = cases[c][0];
+            int64_t *idx = xmalloc((size_t)nnz * sizeof *idx);
+            for (int64_t k = 0; k < nnz; k++)
+                idx[k] = rng_below((uint64_t)cases[c][1]);
+            float *g = xmalloc((size_t)(nnz * dim) * sizeof *g);
+            fill_uniform(g, nnz * dim, -1.0, 1.0);
+            int64_t *sidx = xmalloc((size_t)nnz * sizeof *sidx);
+            float *sg = xmalloc((size_t)(nnz * dim) * sizeof *sg);
+            int64_t u = presum(idx, g, nnz, rows, dim, sidx, sg);
+            for (int threads = 1; threads <= 4; threads += 3) {
+                set_threads(threads);
+                hp.step = 3;
+                adam_state s = state_new(rows, dim), viasum = state_copy(&s), r = state_copy(&s);
+                CHECK_ST(core_adam(&s, idx, g, nnz, &hp), HE_OK);
+                CHECK_ST(core_adam(&viasum, sidx, sg, u, &hp), HE_OK);
+                ref_adam(r.w, r.m, r.v, dim, sidx, sg, u, &hp);
+                CHECKF(state_equal(&s, &viasum), "case %zu threads %d: differs from the pre-summed update", c,
+                       threads);
+                CHECKF(state_equal(&s, &r), "case %zu threads %d: differs from the reference", c, threads);
+                state_free(&s);
+                state_free(&viasum);
+                state_free(&r);
+            }
+            free(sg);
+            free(sidx);
+            free(g);
+            free(idx);
+        }
+        /* Ascending but with an adjacent repeat also has to be summed. */
+        int64_t idx[3] = {1, 1, 2};
+        float g[3 * 45];
+        fill_uniform(g, 3 * dim, -1.0, 1.0);
+        int64_t sidx[3];
+        float sg[3 * 45];
+        int64_t u = presum(idx, g, 3, rows, dim, sidx, sg);
+        adam_state s = state_new(rows, dim), r = state_copy(&s);
+        CHECK_ST(core_adam(&s, idx, g, 3, &hp), HE_OK);
+        ref_adam(r.w, r.m, r.v, dim, sidx, sg, u, &hp);
+        CHECK(u == 2 && state_equal(&s, &r));
+        state_free(&s);
+        state_free(&r);
+    }
+
+    /* Refusals change nothing: an index out of range (at the end of a sorted
+     * gradient, or in an unsorted one), and step < 1. */
+    {
+        const int64_t nnz = 20;
+        int64_t idx[20];
+        float g[20 * 45];
+        fill_uniform(g, nnz * dim, -1.0, 1.0);
+        adam_state s = state_new(rows, dim), copy = state_copy(&s);
+        set_threads(4);
+        char want[64];
+
+        for (int64_t k = 0; k < nnz; k++)
+            idx[k] = k * 20;
+        idx[nnz - 1] = rows; /* still ascending */
+        CHECK_ST(core_adam(&s, idx, g, nnz, &hp), HE_ERR_INDEX);
+        snprintf(want, sizeof want, "id %" PRId64 " at position %" PRId64 " ", rows, nnz - 1);
+        CHECK_MSG(want);
+        CHECK_MSG("[0, 500)");
+        CHECK(state_equal(&s, &copy));
+
+        for (int64_t k = 0; k < nnz; k++)
+            idx[k] = (k * 37) % rows; /* unsorted */
+        idx[5] = idx[6];              /* and a repeat */
+        idx[12] = -1;
+        CHECK_ST(core_adam(&s, idx, g, nnz, &hp), HE_ERR_INDEX);
+        CHECK_MSG("id -1 at position 12 ");
+        CHECK(state_equal(&s, &copy));
+
+        for (int64_t k = 0; k < nnz; k++)
+            idx[k] = k;
+        hp.step = 0;
+        CHECK_ST(core_adam(&s, idx, g, nnz, &hp), HE_ERR_VALUE);
+        CHECK_MSG("got 0");
+        hp.step = -4;
+        CHECK_ST(core_adam(&s, idx, g, nnz, &hp), HE_ERR_VALUE);
+        CHECK(state_equal(&s, &copy));
+        hp.step = 1;
+
+        /* An empty gradient is a no-op. */
+        CHECK_ST(core_adam(&s, idx, g, 0, &hp), HE_OK);
+        CHECK(state_equal(&s, &copy));
+        state_free(&s);
+        state_free(&copy);
+    }
+    set_threads(1);
+    group_end("sparse_adam");
+}
+
+/* ------------------------------------------------------------------------ */
+
+int main(void)
+{
+    test_status();
+    test_host_memory();
+    test_thread_pool();
+    test_dedup();
+    test_gather();
+    test_grad_reduce();
+    test_renorm();
+    test_sparse_adam();
+    /* Joins the workers so that a leak check at exit sees a quiet process. */
+    he_set_num_threads(1);
+    printf("%d passed, %d failed\n", g_passed, g_failed);
+    return g_failed ? 1 : 0;
+}
