@@ -69,6 +69,9 @@ he_status he_dedup_build(const he_ids *ids, int64_t num_rows, he_dedup **out)
     he_dedup *d = NULL;
     *out = NULL;
 
+    st = he_check_table_shape(num_rows, 0);
+    if (st != HE_OK)
+        goto done;
     if (n < 0 || (uint64_t)n > UINT32_MAX) {
         st = he_fail(HE_ERR_VALUE, "a batch may hold at most %" PRIu32 " ids, got %" PRId64,
                      UINT32_MAX, n);

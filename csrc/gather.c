@@ -42,11 +42,14 @@ static void gather_range(void *ctx, int64_t begin, int64_t end)
 
 he_status he_gather(const float *table, int64_t num_rows, int64_t dim, const he_ids *ids, float *out)
 {
+    he_status st = he_check_table_shape(num_rows, dim);
+    if (st != HE_OK)
+        return st;
     gather_job job = {table, num_rows, dim, ids, out, INT64_MAX};
     /* ~16 KiB of output per chunk keeps the hand-out cost negligible. */
     int64_t row_bytes = dim * (int64_t)sizeof(float);
     int64_t grain = row_bytes > 0 ? 16384 / row_bytes + 1 : ids->count;
-    he_status st = he_parallel_for(ids->count, grain, gather_range, &job);
+    st = he_parallel_for(ids->count, grain, gather_range, &job);
     if (st != HE_OK)
         return st;
     int64_t bad = atomic_load(&job.first_bad);

@@ -70,10 +70,13 @@ static int64_t find_unique(const he_dedup *d, int64_t id)
 he_status he_grad_reduce(const he_dedup *d, const float *grad, int64_t dim, const he_reduce_opts *opts,
                          float *out_values, int64_t *out_indices, int64_t *out_count)
 {
+    he_status st = he_check_table_shape(0, dim);
+    if (st != HE_OK)
+        return st;
     int64_t skip_at = opts->padding_idx >= 0 ? find_unique(d, opts->padding_idx) : -1;
     reduce_job job = {d, grad, dim, skip_at, opts->scale_grad_by_freq, out_values, out_indices};
     int64_t grain = dim > 0 ? 8192 / dim + 1 : d->num_unique;
-    he_status st = he_parallel_for(d->num_unique, grain, reduce_range, &job);
+    st = he_parallel_for(d->num_unique, grain, reduce_range, &job);
     if (st == HE_OK)
         *out_count = d->num_unique - (skip_at >= 0);
     return st;

@@ -10,6 +10,14 @@ he_status he_fail_out_of_range(int64_t position, int64_t id, int64_t num_rows)
                    id, position, num_rows, num_rows);
 }
 
+he_status he_check_table_shape(int64_t num_rows, int64_t dim)
+{
+    if (num_rows < 0 || dim < 0)
+        return he_fail(HE_ERR_VALUE, "a table needs num_rows >= 0 and dim >= 0, got %" PRId64 " and %" PRId64,
+                       num_rows, dim);
+    return HE_OK;
+}
+
 int64_t he_first_out_of_range(const he_ids *ids, int64_t begin, int64_t end, int64_t num_rows)
 {
     /* One unsigned compare catches negatives too. */

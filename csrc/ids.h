@@ -21,6 +21,11 @@ static inline int64_t he_id_at(const he_ids *ids, int64_t i)
 /* The IndexError every range check in the core reports. */
 he_status he_fail_out_of_range(int64_t position, int64_t id, int64_t num_rows);
 
+/* HE_ERR_VALUE unless num_rows >= 0 and dim >= 0: every entry point checks
+ * its sizes, since the unsigned range checks would accept any id for a
+ * negative num_rows. */
+he_status he_check_table_shape(int64_t num_rows, int64_t dim);
+
 /* Position of the first id outside [0, num_rows) in [begin, end), or -1. */
 int64_t he_first_out_of_range(const he_ids *ids, int64_t begin, int64_t end, int64_t num_rows);
 

@@ -2,6 +2,7 @@
 
 #include <math.h>
 
+#include "ids.h"
 #include "thread_pool.h"
 
 typedef struct renorm_job {
@@ -59,7 +60,9 @@ static void renorm_range(void *ctx, int64_t begin, int64_t end)
 he_status he_renorm(float *table, int64_t num_rows, int64_t dim, const he_dedup *d, double max_norm,
                     double norm_type)
 {
-    (void)num_rows; /* d was built against it: every unique id is in range */
+    he_status st = he_check_table_shape(num_rows, dim);
+    if (st != HE_OK)
+        return st;
     if (!(norm_type >= 0.0))
         return he_fail(HE_ERR_VALUE, "norm_type must be >= 0 (or inf), got %g", norm_type);
     if (!(max_norm >= 0.0))

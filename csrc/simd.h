@@ -4,11 +4,12 @@
  * time (an ifunc), so the wheel runs on any x86-64 yet uses AVX-512 or AVX2
  * where the CPU has them; never -march=native in a distributed build. The
  * loops are element-wise (no reassociation), so every clone gives the same
- * bits. */
+ * bits. Sanitizer builds get the plain function: ifunc resolvers run before
+ * the sanitizer runtime is ready. */
 #ifndef HE_SIMD_H
 #define HE_SIMD_H
 
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__SANITIZE_ADDRESS__) && \
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__) && \
     !defined(HE_NO_CLONES)
 #define HE_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else

@@ -72,6 +72,9 @@ static he_status update_rows(float *weight, float *exp_avg, float *exp_avg_sq, i
 he_status he_sparse_adam(float *weight, float *exp_avg, float *exp_avg_sq, int64_t num_rows, int64_t dim,
                          const int64_t *indices, const float *values, int64_t nnz, const he_adam_params *hp)
 {
+    he_status st = he_check_table_shape(num_rows, dim);
+    if (st != HE_OK)
+        return st;
     if (hp->step < 1)
         return he_fail(HE_ERR_VALUE, "step must be >= 1, got %" PRId64, hp->step);
     int ascending = 1;
@@ -84,7 +87,6 @@ he_status he_sparse_adam(float *weight, float *exp_avg, float *exp_avg_sq, int64
     if (ascending)
         return update_rows(weight, exp_avg, exp_avg_sq, dim, indices, values, nnz, hp);
 
-    he_status st;
     he_dedup *d = NULL;
     int64_t *unique_rows = NULL;
     float *sums = NULL;
