@@ -130,6 +130,7 @@ def _mem_total_bytes():
 
 
 def machine_info(**extra) -> dict:
+    # Imported here so that the other helpers work without a built hostembed.
     import numpy
     import hostembed
     return {
@@ -146,6 +147,39 @@ def machine_info(**extra) -> dict:
         "git": _git_commit(),
         **extra,
     }
+
+
+# --- other load on the machine -------------------------------------------------
+
+def _busy_cpu_seconds():
+    # /proc/stat's first line: user nice system idle iowait irq softirq steal ... in clock ticks.
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """How much CPU other processes (and the hypervisor, as steal) took while
+    we ran: on a small shared machine they are the main source of noise."""
+
+    def __init__(self):
+        self._wall = time.perf_counter()
+        self._busy = _busy_cpu_seconds()
+        self._own = sum(os.times()[:2])
+        self.loadavg_before = os.getloadavg()
+
+    def fraction(self, min_seconds=0.2):
+        """Others' share of all usable CPUs since construction; None where
+        unknown or where the window is too short for 10 ms accounting ticks."""
+        busy, wall = _busy_cpu_seconds(), time.perf_counter() - self._wall
+        if busy is None or self._busy is None or wall < min_seconds:
+            return None
+        others = (busy - self._busy) - (sum(os.times()[:2]) - self._own)
+        return max(0.0, others / (wall * usable_cpus()))
 
 
 # --- host memory bandwidth ----------------------------------------------------

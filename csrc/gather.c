@@ -3,11 +3,8 @@
 #include <stdatomic.h>
 #include <string.h>
 
+#include "simd.h"
 #include "thread_pool.h"
-
-/* Rows are random in a table far bigger than the caches, so each copy waits
- * on DRAM; asking for the row a few lookups ahead overlaps those waits. */
-#define PREFETCH_AHEAD 8
 
 typedef struct gather_job {
     const float *table;
@@ -31,11 +28,8 @@ static void gather_range(void *ctx, int64_t begin, int64_t end)
     const float *table = job->table;
     int64_t dim = job->dim;
     for (int64_t i = begin; i < end; i++) {
-        if (i + PREFETCH_AHEAD < end) {
-            const char *ahead = (const char *)(table + he_id_at(job->ids, i + PREFETCH_AHEAD) * dim);
-            for (size_t off = 0; off < row_bytes; off += 64)
-                __builtin_prefetch(ahead + off);
-        }
+        if (i + HE_PREFETCH_AHEAD < end)
+            he_prefetch_row(table + he_id_at(job->ids, i + HE_PREFETCH_AHEAD) * dim, row_bytes, 0);
         memcpy(job->out + i * dim, table + he_id_at(job->ids, i) * dim, row_bytes);
     }
 }

@@ -2,6 +2,7 @@
 #include "host_memory.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -16,7 +17,7 @@ static size_t mapped_size(size_t bytes)
     return (bytes + page - 1) / page * page;
 }
 
-he_status he_host_alloc(size_t bytes, void **out)
+static he_status map_anonymous(size_t bytes, void **out)
 {
     *out = NULL;
     size_t len = mapped_size(bytes);
@@ -29,19 +30,108 @@ he_status he_host_alloc(size_t bytes, void **out)
     if (p == MAP_FAILED)
         return he_fail(HE_ERR_NOMEM, "could not allocate %zu bytes of host memory: %s", bytes,
                        strerror(errno));
+    *out = p;
+    return HE_OK;
+}
+
+he_status he_host_alloc(size_t bytes, void **out)
+{
+    he_status st = map_anonymous(bytes, out);
 #ifdef MADV_HUGEPAGE
     /* Random row access over tens of GB thrashes the TLB with 4 KiB pages.
-     * Only a hint: a kernel without THP simply ignores it. */
-    (void)madvise(p, len, MADV_HUGEPAGE);
+     * Only a hint: a kernel without THP ignores it. */
+    if (st == HE_OK)
+        (void)madvise(*out, mapped_size(bytes), MADV_HUGEPAGE);
 #endif
 #ifdef MADV_DONTFORK
     /* DataLoader workers fork; without this every fork would copy the page
      * tables of the whole table and copy-on-write would pin it twice. The
      * children never touch the table. */
-    (void)madvise(p, len, MADV_DONTFORK);
+    if (st == HE_OK)
+        (void)madvise(*out, mapped_size(bytes), MADV_DONTFORK);
 #endif
-    *out = p;
-    return HE_OK;
+    return st;
+}
+
+static struct {
+    pthread_mutex_t lock;
+    void *ptr[HE_SCRATCH_SLOTS];
+    size_t len[HE_SCRATCH_SLOTS]; /* 0: empty slot */
+    size_t total;
+} scratch = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static size_t size_class(size_t bytes)
+{
+    size_t granule = 4096;
+    while (granule * 8 <= bytes)
+        granule *= 2;
+    size_t len = (bytes + granule - 1) / granule * granule;
+    return len < bytes ? bytes : mapped_size(len);
+}
+
+he_status he_scratch_alloc(size_t bytes, void **out, size_t *mapped)
+{
+    size_t len = size_class(bytes);
+    *mapped = len;
+    pthread_mutex_lock(&scratch.lock);
+    for (int i = 0; i < HE_SCRATCH_SLOTS; i++) {
+        if (scratch.len[i] == len) {
+            *out = scratch.ptr[i];
+            scratch.len[i] = 0;
+            scratch.total -= len;
+            pthread_mutex_unlock(&scratch.lock);
+            return HE_OK;
+        }
+    }
+    pthread_mutex_unlock(&scratch.lock);
+    return map_anonymous(len, out);
+}
+
+void he_scratch_release(void *ptr, size_t mapped)
+{
+    if (!ptr)
+        return;
+    size_t len = mapped;
+    pthread_mutex_lock(&scratch.lock);
+    if (len <= HE_SCRATCH_MAX_BYTES) {
+        /* Make room: drop the largest kept buffers until this one fits. */
+        for (;;) {
+            int empty = -1, largest = -1;
+            for (int i = 0; i < HE_SCRATCH_SLOTS; i++) {
+                if (scratch.len[i] == 0)
+                    empty = empty < 0 ? i : empty;
+                else if (largest < 0 || scratch.len[i] > scratch.len[largest])
+                    largest = i;
+            }
+            if (empty >= 0 && scratch.total + len <= HE_SCRATCH_MAX_BYTES) {
+                scratch.ptr[empty] = ptr;
+                scratch.len[empty] = len;
+                scratch.total += len;
+                ptr = NULL;
+                break;
+            }
+            /* largest >= 0 here: a full or over-budget cache is not empty. */
+            munmap(scratch.ptr[largest], scratch.len[largest]);
+            scratch.total -= scratch.len[largest];
+            scratch.len[largest] = 0;
+        }
+    }
+    pthread_mutex_unlock(&scratch.lock);
+    if (ptr)
+        munmap(ptr, len);
+}
+
+void he_scratch_trim(void)
+{
+    pthread_mutex_lock(&scratch.lock);
+    for (int i = 0; i < HE_SCRATCH_SLOTS; i++) {
+        if (scratch.len[i]) {
+            munmap(scratch.ptr[i], scratch.len[i]);
+            scratch.len[i] = 0;
+        }
+    }
+    scratch.total = 0;
+    pthread_mutex_unlock(&scratch.lock);
 }
 
 typedef struct touch_job {

@@ -17,4 +17,25 @@ he_status he_host_first_touch(void *ptr, size_t bytes);
 
 void he_host_free(void *ptr, size_t bytes);
 
+/* Scratch buffers: lookup outputs and gradient values, allocated and dropped
+ * every step. A fresh mapping costs a page fault per 4 KiB on first write
+ * (~10 ms for a 32 MiB output here, 5x the gather itself), so released
+ * scratch mappings are kept, up to HE_SCRATCH_SLOTS of them and
+ * HE_SCRATCH_MAX_BYTES in all, and handed out again for the same size.
+ * Contents are undefined. Not MADV_DONTFORK: a forked child may read an
+ * output tensor it inherited. No huge-page hint either: with THP defrag on
+ * "madvise" a huge-page fault may stall on compaction, and these buffers
+ * are read sequentially. */
+#define HE_SCRATCH_SLOTS 8
+#define HE_SCRATCH_MAX_BYTES ((size_t)4 << 30)
+
+/* *mapped gets the buffer's real size (>= bytes): sizes are rounded up to
+ * size classes 1/8 to 1/16 of the size apart, so batches whose unique-row
+ * count varies a little from step to step still reuse one buffer. Pass that
+ * size back to he_scratch_release. */
+he_status he_scratch_alloc(size_t bytes, void **out, size_t *mapped);
+void he_scratch_release(void *ptr, size_t mapped);
+/* Unmaps every kept scratch buffer (hostembed.empty_cache()). */
+void he_scratch_trim(void);
+
 #endif

@@ -40,14 +40,15 @@ typedef struct {
     PyObject_HEAD
     void *ptr;
     size_t nbytes;
+    int scratch; /* recycled through the core's scratch cache when dropped */
 } HostBuffer;
 
 static PyObject *HostBuffer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"nbytes", "first_touch", NULL};
+    static char *kwlist[] = {"nbytes", "first_touch", "scratch", NULL};
     long long nbytes;
-    int first_touch = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "L|p", kwlist, &nbytes, &first_touch))
+    int first_touch = 0, scratch = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "L|pp", kwlist, &nbytes, &first_touch, &scratch))
         return NULL;
     if (nbytes < 0 || (unsigned long long)nbytes > (unsigned long long)PY_SSIZE_T_MAX) {
         PyErr_Format(PyExc_ValueError, "nbytes must be in [0, %zd], got %lld", PY_SSIZE_T_MAX, nbytes);
@@ -58,24 +59,34 @@ static PyObject *HostBuffer_new(PyTypeObject *type, PyObject *args, PyObject *kw
         return NULL;
     he_status st;
     void *ptr = NULL;
+    size_t mapped = (size_t)nbytes;
     Py_BEGIN_ALLOW_THREADS
-    st = he_host_alloc((size_t)nbytes, &ptr);
+    st = scratch ? he_scratch_alloc((size_t)nbytes, &ptr, &mapped) : he_host_alloc((size_t)nbytes, &ptr);
     if (st == HE_OK && first_touch)
         st = he_host_first_touch(ptr, (size_t)nbytes);
     Py_END_ALLOW_THREADS
     if (st != HE_OK) {
-        he_host_free(ptr, (size_t)nbytes);
+        if (scratch)
+            he_scratch_release(ptr, mapped);
+        else
+            he_host_free(ptr, (size_t)nbytes);
         Py_DECREF(self);
         return raise_status(st);
     }
     self->ptr = ptr;
-    self->nbytes = (size_t)nbytes;
+    /* A scratch buffer exposes its whole size class: the caller views the
+     * prefix it asked for. */
+    self->nbytes = mapped;
+    self->scratch = scratch;
     return (PyObject *)self;
 }
 
 static void HostBuffer_dealloc(HostBuffer *self)
 {
-    he_host_free(self->ptr, self->nbytes);
+    if (self->scratch)
+        he_scratch_release(self->ptr, self->nbytes);
+    else
+        he_host_free(self->ptr, self->nbytes);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -112,7 +123,8 @@ static PyBufferProcs HostBuffer_as_buffer = {
 static PyTypeObject HostBufferType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "hostembed._C.HostBuffer",
-    .tp_doc = "HostBuffer(nbytes, first_touch=False): zeroed, lazily backed host memory",
+    .tp_doc = "HostBuffer(nbytes, first_touch=False, scratch=False): zeroed, lazily backed host memory;\n"
+              "scratch=True: recycled on release, contents undefined",
     .tp_basicsize = sizeof(HostBuffer),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = HostBuffer_new,
@@ -294,7 +306,16 @@ static PyObject *py_get_num_threads(PyObject *mod, PyObject *unused)
     return PyLong_FromLong(he_get_num_threads());
 }
 
+static PyObject *py_empty_cache(PyObject *mod, PyObject *unused)
+{
+    (void)mod;
+    (void)unused;
+    he_scratch_trim();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"empty_cache", py_empty_cache, METH_NOARGS, "unmap the scratch buffers kept for reuse"},
     {"gather", py_gather, METH_VARARGS,
      "gather(table, num_rows, dim, ids, count, is_int64, out): out[i] = table[ids[i]]"},
     {"grad_reduce", py_grad_reduce, METH_VARARGS,

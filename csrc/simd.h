@@ -16,4 +16,22 @@
 #define HE_SIMD_CLONES
 #endif
 
+#include <stddef.h>
+
+/* Rows are scattered over tables far bigger than the caches, so each row
+ * copy or update waits on DRAM; asking for a row a few rows ahead overlaps
+ * those waits. */
+static inline void he_prefetch_row(const void *row, size_t bytes, int for_write)
+{
+    const char *p = row;
+    for (size_t off = 0; off < bytes; off += 64) {
+        if (for_write)
+            __builtin_prefetch(p + off, 1);
+        else
+            __builtin_prefetch(p + off, 0);
+    }
+}
+
+#define HE_PREFETCH_AHEAD 4
+
 #endif

@@ -46,7 +46,14 @@ static void adam_range(void *ctx, int64_t begin, int64_t end)
 {
     adam_job *job = ctx;
     int64_t dim = job->dim;
+    size_t row_bytes = (size_t)dim * sizeof(float);
     for (int64_t k = begin; k < end; k++) {
+        if (k + HE_PREFETCH_AHEAD < end) {
+            int64_t ahead = job->indices[k + HE_PREFETCH_AHEAD] * dim;
+            he_prefetch_row(job->w + ahead, row_bytes, 1);
+            he_prefetch_row(job->m + ahead, row_bytes, 1);
+            he_prefetch_row(job->v + ahead, row_bytes, 1);
+        }
         int64_t off = job->indices[k] * dim;
         adam_row(job->w + off, job->m + off, job->v + off, job->values + k * dim, dim, job->c);
     }

@@ -144,10 +144,10 @@ he_status he_parallel_for(int64_t n, int64_t grain, he_range_fn fn, void *ctx)
         fn(ctx, 0, n);
         return HE_OK;
     }
-    /* About four chunks per thread balances uneven rows (Zipf-hot ids)
-     * without paying much for the shared counter. */
+    /* About sixteen chunks per thread balances uneven items (a Zipf-hot id
+     * sums thousands of rows) for the price of one atomic add per chunk. */
     int64_t threads = p->num_workers + 1;
-    int64_t chunk = (n + threads * 4 - 1) / (threads * 4);
+    int64_t chunk = (n + threads * 16 - 1) / (threads * 16);
     if (chunk < grain)
         chunk = grain;
 

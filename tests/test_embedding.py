@@ -231,3 +231,21 @@ def test_no_dense_warning_for_default_sparse():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hostembed.Embedding(4, 2)
+
+
+def test_outputs_stay_valid_while_referenced_even_as_views():
+    # Outputs live in recycled scratch buffers: a buffer may only be reused
+    # once no tensor, view included, refers to it.
+    ref, ours = pair(100, 16)
+    kept = []
+    for step in range(12):
+        ids = torch.randint(0, 100, (64, 3), generator=torch.Generator().manual_seed(step))
+        out = ours(ids)
+        kept.append((ids, out[5:] if step % 2 else out.view(-1)))
+        del out
+    for ids, view in kept:
+        full = F.embedding(ids, ref.weight)
+        expected = full.view(-1) if view.dim() == 1 else full[5:]
+        assert torch.equal(view, expected)
+    hostembed.empty_cache()
+    assert torch.equal(kept[0][1], F.embedding(kept[0][0], ref.weight).view(-1))

@@ -10,7 +10,7 @@ from .embedding import Embedding
 from .optim import SparseAdam
 
 __version__ = "0.1.0"
-__all__ = ["Embedding", "SparseAdam", "IdDtypeError", "set_num_threads", "get_num_threads"]
+__all__ = ["Embedding", "SparseAdam", "IdDtypeError", "set_num_threads", "get_num_threads", "empty_cache"]
 
 
 def set_num_threads(n: int) -> None:
@@ -28,3 +28,10 @@ def set_num_threads(n: int) -> None:
 def get_num_threads() -> int:
     """The number of threads the core uses."""
     return _C.get_num_threads()
+
+
+def empty_cache() -> None:
+    """Returns to the OS the per-step buffers (outputs, gradient values) the
+    core keeps for reuse; like torch.cuda.empty_cache, only needed when
+    memory is tight between phases of different batch sizes."""
+    _C.empty_cache()

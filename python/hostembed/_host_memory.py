@@ -38,6 +38,23 @@ def host_zeros(num_rows: int, dim: int, *, first_touch: bool = False) -> torch.T
     return torch.frombuffer(buf, dtype=torch.float32).view(num_rows, dim)
 
 
+def host_scratch(*shape: int) -> torch.Tensor:
+    """An uninitialised float32 CPU tensor from the core's scratch cache.
+
+    For per-step buffers (lookup outputs, gradient values): when the last
+    view of it dies, its pages go back to the cache and the next step of the
+    same size reuses them instead of page-faulting a fresh mapping.
+    """
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel == 0:
+        return torch.empty(shape)
+    buf = _C.HostBuffer(numel * _FLOAT_BYTES, scratch=True)
+    # The buffer may be larger (size classes): view the prefix.
+    return torch.frombuffer(buf, dtype=torch.float32, count=numel).view(shape)
+
+
 def register_table(param: torch.Tensor) -> None:
     _host_tables[param] = True
 

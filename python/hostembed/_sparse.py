@@ -2,6 +2,7 @@
 import torch
 
 from . import _C
+from ._host_memory import host_scratch
 
 
 def reduce_rows(ids, rows, num_rows, padding_idx=None, scale_grad_by_freq=False):
@@ -16,7 +17,7 @@ def reduce_rows(ids, rows, num_rows, padding_idx=None, scale_grad_by_freq=False)
     dedup = _C.Dedup(ids.data_ptr(), ids.numel(), ids.dtype == torch.int64, num_rows)
     unique = dedup.num_unique
     indices = torch.empty(unique, dtype=torch.int64)
-    values = torch.empty(unique, dim, dtype=torch.float32)
+    values = host_scratch(unique, dim)
     written = _C.grad_reduce(
         dedup,
         rows.data_ptr(),

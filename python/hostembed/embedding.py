@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from . import _C
-from ._host_memory import host_zeros, register_table
+from ._host_memory import host_scratch, host_zeros, register_table
 from ._ids import prepare_ids
 from ._sparse import reduce_rows, row_sparse
 
@@ -16,7 +16,7 @@ class _Lookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, ids, padding_idx, scale_grad_by_freq, sparse, out_device):
         num_rows, dim = weight.shape
-        out = torch.empty(ids.shape + (dim,), dtype=torch.float32)
+        out = host_scratch(*ids.shape, dim)
         _C.gather(
             weight.data_ptr(), num_rows, dim, ids.data_ptr(), ids.numel(), ids.dtype == torch.int64, out.data_ptr()
         )
