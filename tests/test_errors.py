@@ -129,3 +129,18 @@ def test_table_too_big_raises_memory_error_with_bytes():
     rows = 1 << 50
     with pytest.raises(MemoryError, match=rf"{rows * 64 * 4} bytes"):
         hostembed.Embedding(rows, 64)
+
+
+def test_optimizer_state_of_wrong_shape_refused_before_loading():
+    emb, opt = trained_pair()
+    saved = opt.state_dict()
+    other = hostembed.Embedding(30, 4)
+    other_opt = hostembed.SparseAdam(other.parameters(), lr=0.1)
+    other(torch.tensor([1])).sum().backward()
+    other_opt.step()
+    before = [other_opt.state[other.weight][k].clone() for k in ("exp_avg", "exp_avg_sq")]
+    with pytest.raises(ValueError, match=r"'exp_avg' of parameter 0 has shape \[20, 4\], expected \[30, 4\]"):
+        other_opt.load_state_dict(saved)
+    state = other_opt.state[other.weight]
+    assert state["step"] == 1
+    assert all(torch.equal(b, state[k]) for b, k in zip(before, ("exp_avg", "exp_avg_sq")))

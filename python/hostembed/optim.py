@@ -91,6 +91,7 @@ class SparseAdam(torch.optim.SparseAdam):
         self.state[p].update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
 
     def load_state_dict(self, state_dict):
+        self._check_state_shapes(state_dict)
         super().load_state_dict(state_dict)
         # torch keeps the loaded tensors; for host tables copy them into
         # core-owned memory so step() can update them in place.
@@ -100,16 +101,23 @@ class SparseAdam(torch.optim.SparseAdam):
                     continue
                 state = self.state[p]
                 for key in _STATE_TENSORS:
-                    if key not in state:
-                        continue
-                    loaded = state[key]
-                    if loaded.shape != p.shape:
-                        raise ValueError(
-                            f"SparseAdam.load_state_dict: state '{key}' has shape {list(loaded.shape)}, "
-                            f"expected {list(p.shape)} like its parameter"
-                        )
-                    own = host_zeros(*p.shape)
-                    own.copy_(loaded)
-                    state[key] = own
+                    if key in state:
+                        own = host_zeros(*p.shape)
+                        own.copy_(state[key])
+                        state[key] = own
                 if "step" in state:
                     state["step"] = int(state["step"])
+
+    def _check_state_shapes(self, state_dict):
+        """Refuses moments shaped unlike their parameters before anything is
+        loaded (torch does not check this, and would fail later, mid-step)."""
+        saved_state = state_dict.get("state", {})
+        for saved_group, group in zip(state_dict.get("param_groups", []), self.param_groups):
+            for saved_id, p in zip(saved_group["params"], group["params"]):
+                for key in _STATE_TENSORS:
+                    value = saved_state.get(saved_id, {}).get(key)
+                    if value is not None and tuple(value.shape) != tuple(p.shape):
+                        raise ValueError(
+                            f"SparseAdam.load_state_dict: state '{key}' of parameter {saved_id} has shape "
+                            f"{list(value.shape)}, expected {list(p.shape)} like the parameter"
+                        )
