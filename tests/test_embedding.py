@@ -249,3 +249,26 @@ def test_outputs_stay_valid_while_referenced_even_as_views():
         assert torch.equal(view, expected)
     hostembed.empty_cache()
     assert torch.equal(kept[0][1], F.embedding(kept[0][0], ref.weight).view(-1))
+
+
+def test_concurrent_python_threads_get_correct_results():
+    # The core releases the GIL; a second caller while the pool is busy runs
+    # on its own thread instead of waiting or corrupting the first job.
+    import threading
+
+    ref, ours = pair(3000, 32)
+    failures = []
+
+    def worker(seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(20):
+            ids = torch.randint(0, 3000, (5000,), generator=gen)
+            if not torch.equal(ours(ids), F.embedding(ids, ref.weight)):
+                failures.append(seed)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
