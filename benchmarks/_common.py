@@ -1,9 +1,11 @@
 """Helpers shared by the benchmarks: progress bars, peak RSS, machine info,
-host copy bandwidth, summary statistics.
+host copy bandwidth, summary statistics, Zipf-distributed ids, JSON and plots.
 
-tqdm is optional (progress bars only). psutil is not used: on Linux it has no
-peak-RSS figure, which /proc/self/status (VmHWM) gives directly.
+tqdm and matplotlib are optional (progress bars and plots only). psutil is
+not used: on Linux it has no peak-RSS figure, which /proc/self/status (VmHWM)
+gives directly.
 """
+import json
 import os
 import platform
 import resource
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
 try:
@@ -20,7 +23,21 @@ except ImportError:  # optional: plain loops without it
     _tqdm = None
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results")
 GIB = 1 << 30
+
+# Dense Adam: one untimed step allocates its state; more would cost seconds each.
+DENSE_ADAM_WARMUP = 1
+
+
+def require_hostembed():
+    """The hostembed module, or an exit that says how to build it."""
+    try:
+        import hostembed
+    except ImportError as exc:
+        sys.exit(f"cannot import hostembed ({exc}): build it with `python3 setup.py build_ext --inplace` "
+                 "and run with PYTHONPATH=python, or pip install the package")
+    return hostembed
 
 
 def log(msg: str) -> None:
@@ -34,9 +51,59 @@ def progress(iterable, desc: str):
     return _tqdm(iterable, desc=desc, file=sys.stderr, leave=False)
 
 
+def fail(msg):
+    """Ends the run with a non-zero status: a fast wrong answer is not a result."""
+    sys.exit(f"\nCORRECTNESS CHECK FAILED: {msg}\nNo timings are reported for a wrong answer.")
+
+
 def summarize_ms(seconds) -> dict:
     ms = [s * 1e3 for s in seconds]
     return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "n": len(ms)}
+
+
+def fmt_ms(ms):
+    return f"{ms:,.1f}" if ms >= 100 else f"{ms:.2f}"
+
+
+def fmt_gib(nbytes):
+    return "n/a" if nbytes is None else f"{nbytes / GIB:.2f} GiB"
+
+
+def synchronize(device) -> None:
+    """Waits for the device's queued work, so the clock measures it (no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- workload -------------------------------------------------------------------
+
+class ZipfIds:
+    """Ids Zipf(alpha)-distributed over ranks 1..rows (bounded Zipf by inverse CDF).
+
+    A random permutation maps rank -> row, so the hot rows are scattered
+    over the table as in a real vocabulary. Draws come from `rng`, which the
+    caller may share with other draws to keep one seed for a whole workload.
+    """
+
+    def __init__(self, rows, alpha, rng):
+        cdf = np.arange(1, rows + 1, dtype=np.float64) ** -alpha
+        np.cumsum(cdf, out=cdf)  # in place: at 10^8 rows every float64 copy is 800 MB
+        cdf /= cdf[-1]
+        self._cdf = cdf
+        self._rank_to_row = rng.permutation(rows).astype(np.int64)
+        self._rng = rng
+
+    def draw(self, n) -> torch.Tensor:
+        """n int64 ids."""
+        # side="right" and the clip keep u == cdf[-1] == 1.0 in range.
+        ranks = np.minimum(np.searchsorted(self._cdf, self._rng.random(n), side="right"), len(self._cdf) - 1)
+        return torch.from_numpy(self._rank_to_row[ranks])
+
+
+def zipf_batches(rows, batch, alpha, count, seed):
+    """`count` batches of `batch` int64 ids drawn by ZipfIds(rows, alpha)."""
+    ids = ZipfIds(rows, alpha, np.random.default_rng(seed))
+    return [ids.draw(batch) for _ in range(count)]
 
 
 # --- peak RSS ---------------------------------------------------------------
@@ -118,20 +185,33 @@ def _git_commit():
         return None
 
 
-def _mem_total_bytes():
+def _meminfo_bytes(key):
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
 
 
+def mem_available_bytes():
+    """What the kernel says can be allocated now without swapping (None where unknown)."""
+    return _meminfo_bytes("MemAvailable")
+
+
+def gpu_info():
+    """The CUDA device torch would use, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {"name": props.name, "total_memory_bytes": props.total_memory, "count": torch.cuda.device_count(),
+            "cuda": torch.version.cuda}
+
+
 def machine_info(**extra) -> dict:
     # Imported here so that the other helpers work without a built hostembed.
-    import numpy
     import hostembed
     return {
         "platform": platform.platform(),
@@ -139,9 +219,10 @@ def machine_info(**extra) -> dict:
         "cpu_model": _cpu_model(),
         "os_cpu_count": os.cpu_count(),
         "usable_cpus": usable_cpus(),
-        "mem_total_bytes": _mem_total_bytes(),
+        "mem_total_bytes": _meminfo_bytes("MemTotal"),
+        "gpu": gpu_info(),
         "torch": torch.__version__,
-        "numpy": numpy.__version__,
+        "numpy": np.__version__,
         "hostembed": hostembed.__version__,
         "hostembed_path": os.path.dirname(hostembed.__file__),
         "git": _git_commit(),
@@ -215,3 +296,45 @@ def copy_bandwidth(nbytes: int, repeats: int, threads: int) -> dict:
         "bytes_per_s": 2 * numel * 4 / median_s,
         "all_bytes_per_s": [2 * numel * 4 / s for s in seconds],
     }
+
+
+# --- output files ---------------------------------------------------------------------
+
+PLOTS_SKIPPED = ("plots skipped: matplotlib is not installed "
+                 "(get them with `pip install matplotlib`, or `pip install '.[bench]'`)")
+
+
+def write_json(path, report) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only: no display needed, none opened
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def write_plots(out_dir, figures):
+    """Draws and saves PNGs; figures maps a file name to draw(plt) -> Figure.
+
+    Returns (paths written, None), or ([], PLOTS_SKIPPED) without matplotlib:
+    plots are optional and never worth failing a benchmark over.
+    """
+    plt = _pyplot()
+    if plt is None:
+        return [], PLOTS_SKIPPED
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for name, draw in figures.items():
+        fig = draw(plt)
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        paths.append(path)
+    return paths, None

@@ -18,25 +18,17 @@ Usage (in-place build):
 """
 import argparse
 import gc
-import json
 import os
-import sys
 import time
 
-import numpy as np
 import torch
 
-try:
-    import hostembed
-except ImportError as exc:
-    sys.exit(f"cannot import hostembed ({exc}): build it with `python3 setup.py build_ext --inplace` "
-             "and run with PYTHONPATH=python, or pip install the package")
+from _common import (DENSE_ADAM_WARMUP, GIB, RESULTS_DIR, OtherLoad, PeakRss, copy_bandwidth, fail, fmt_ms, log,
+                     machine_info, progress, require_hostembed, summarize_ms, usable_cpus, write_json, zipf_batches)
 
-from _common import (GIB, REPO_ROOT, OtherLoad, PeakRss, copy_bandwidth, log, machine_info, progress,
-                     summarize_ms, usable_cpus)
+hostembed = require_hostembed()
 
 CHECK_STEPS = 3    # batches both SparseAdams run before their weights are compared
-ADAM_WARMUP = 1    # dense Adam: one untimed step allocates its state; more costs seconds each
 PHASES = ("forward", "backward", "step", "zero_grad")
 HOSTEMBED = "hostembed.Embedding + hostembed.SparseAdam"
 TORCH_SPARSE = "torch.nn.Embedding(sparse=True) + torch.optim.SparseAdam"
@@ -61,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--copy-repeats", type=int, default=5)
     p.add_argument("--skip-torch-sparse", action="store_true",
                    help="do not time torch SparseAdam (it still runs the correctness check)")
-    p.add_argument("--json", default=os.path.join(REPO_ROOT, "benchmarks", "results", "cpu_step.json"))
+    p.add_argument("--json", default=os.path.join(RESULTS_DIR, "cpu_step.json"))
     args = p.parse_args(argv)
     if min(args.rows, args.dim, args.batch, args.steps, args.warmup, args.threads) < 1:
         p.error("--rows, --dim, --batch, --steps, --warmup and --threads must be >= 1")
@@ -70,26 +62,7 @@ def parse_args(argv=None):
     return args
 
 
-# --- workload ----------------------------------------------------------------
-
-def zipf_batches(rows, batch, alpha, count, seed):
-    """`count` batches of int64 ids, Zipf(alpha) over ranks 1..rows.
-
-    Bounded Zipf by inverse CDF; a random permutation maps rank -> row, so
-    the hot rows are scattered over the table as in a real vocabulary.
-    """
-    rng = np.random.default_rng(seed)
-    weights = np.arange(1, rows + 1, dtype=np.float64) ** -alpha
-    cdf = np.cumsum(weights)
-    cdf /= cdf[-1]
-    rank_to_row = rng.permutation(rows).astype(np.int64)
-    batches = []
-    for _ in range(count):
-        # side="right" and the clip keep u == cdf[-1] == 1.0 in range.
-        ranks = np.minimum(np.searchsorted(cdf, rng.random(batch), side="right"), rows - 1)
-        batches.append(torch.from_numpy(rank_to_row[ranks]))
-    return batches
-
+# --- contenders -----------------------------------------------------------------
 
 def make_hostembed(args):
     emb = hostembed.Embedding(args.rows, args.dim)
@@ -158,10 +131,6 @@ def timed_steps(emb, opt, batches, grad_out, desc, peak):
 
 
 # --- correctness -------------------------------------------------------------------
-
-def fail(msg):
-    sys.exit(f"\nCORRECTNESS CHECK FAILED: {msg}\nNo timings are reported for a wrong answer.")
-
 
 def check_same_start(weight, reference):
     if not torch.equal(weight.detach(), reference):
@@ -244,7 +213,7 @@ def run_contenders(args, batches, grad_out, peak):
     if args.adam_steps == 0:
         results[TORCH_ADAM] = {"skipped": "--adam-steps 0"}
     else:
-        results[TORCH_ADAM] = run_contender(TORCH_ADAM, make_torch_adam, args, warm[:ADAM_WARMUP],
+        results[TORCH_ADAM] = run_contender(TORCH_ADAM, make_torch_adam, args, warm[:DENSE_ADAM_WARMUP],
                                             timed[:args.adam_steps], grad_out, peak)
     return results
 
@@ -266,10 +235,6 @@ def speedups(contenders):
 
 
 # --- report ------------------------------------------------------------------------------
-
-def fmt_ms(ms):
-    return f"{ms:,.1f}" if ms >= 100 else f"{ms:.2f}"
-
 
 def print_report(args, report):
     contenders, sp = report["contenders"], report["speedup_of_hostembed"]
@@ -373,9 +338,7 @@ def main(argv=None):
     report["other_load"] = {"loadavg_before": other_load.loadavg_before,
                             "cpu_fraction_used_by_others": other_load.fraction()}
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(args.json, report)
     print_report(args, report)
 
 

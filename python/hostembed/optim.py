@@ -15,9 +15,9 @@ class SparseAdam(torch.optim.SparseAdam):
 
     For a hostembed table, step() updates the weight and both moments in
     place in host memory with the core's threads (one pass over the rows in
-    the gradient; the moments are allocated lazily, so rows never trained
-    cost no memory). Any other parameter goes through torch's own
-    implementation.
+    the gradient; the moments are created at the first step, and their pages
+    are backed as rows are first written). Any other parameter goes through
+    torch's own implementation.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False):
