@@ -6,11 +6,14 @@ place.
 """
 from . import _C
 from ._ids import IdDtypeError
+from .checkpoint import load, save
 from .embedding import Embedding
 from .optim import SparseAdam
+from .replace import replace_embeddings
 
 __version__ = "0.1.0"
-__all__ = ["Embedding", "SparseAdam", "IdDtypeError", "set_num_threads", "get_num_threads", "empty_cache"]
+__all__ = ["Embedding", "SparseAdam", "IdDtypeError", "save", "load", "replace_embeddings", "set_num_threads",
+           "get_num_threads", "empty_cache"]
 
 
 def set_num_threads(n: int) -> None:

@@ -1,13 +1,20 @@
 """hostembed.Embedding: torch.nn.Embedding with the table in host memory."""
+import os
 import warnings
 
 import torch
 from torch import nn
 
 from . import _C
+from ._files import FileRows, open_table
 from ._host_memory import host_scratch, host_zeros, register_table
 from ._ids import prepare_ids
 from ._sparse import reduce_rows, row_sparse
+from ._stream import copy_rows, read_rows
+
+# _weight value that leaves a new table zeroed instead of drawing N(0, 1):
+# for tables about to be filled from a file or another module.
+_UNINITIALISED = object()
 
 
 class _Lookup(torch.autograd.Function):
@@ -82,7 +89,7 @@ class Embedding(nn.Module):
             elif padding_idx < 0:
                 assert padding_idx >= -num_embeddings, "Padding_idx must be within num_embeddings"
                 padding_idx = num_embeddings + padding_idx
-        if _weight is not None:
+        if _weight is not None and _weight is not _UNINITIALISED:
             assert list(_weight.shape) == [num_embeddings, embedding_dim], (
                 "Shape of weight does not match num_embeddings and embedding_dim"
             )
@@ -107,9 +114,8 @@ class Embedding(nn.Module):
         register_table(self.weight)
         if _weight is None:
             self.reset_parameters()
-        else:
-            with torch.no_grad():
-                self.weight.copy_(_weight)
+        elif _weight is not _UNINITIALISED:
+            copy_rows(self.weight.data, _weight)
 
     def reset_parameters(self) -> None:
         # Same draws as nn.Embedding: torch.manual_seed(s) gives both the same table.
@@ -142,11 +148,25 @@ class Embedding(nn.Module):
         self._output_device = fn(torch.empty(0)).device
         return self
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
-        # load_state_dict(assign=True) would swap our host table for the
-        # caller's tensor; always copy into the table instead.
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # Always copy into the host table (load_state_dict(assign=True)
+        # would otherwise swap it for the caller's tensor), and copy in row
+        # chunks so a torch.load(mmap=True) source is never resident whole:
+        # the chunk copy releases the file's pages as it goes. torch's own
+        # code then does the bookkeeping (missing/unexpected keys, shape
+        # errors, hooks) against a source that is the table itself, which
+        # copy_ skips.
+        key = prefix + "weight"
+        source = state_dict.get(key)
+        if isinstance(source, torch.Tensor) and source.shape == self.weight.shape and source.is_floating_point() \
+                and source.data_ptr() != self.weight.data_ptr():
+            copy_rows(self.weight.data, source.detach(), desc=f"loading {key}")
+            state_dict = dict(state_dict)
+            state_dict[key] = self.weight.detach()
         local_metadata = dict(local_metadata, assign_to_params_buffers=False)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def extra_repr(self) -> str:
         s = "{num_embeddings}, {embedding_dim}"
@@ -166,10 +186,39 @@ class Embedding(nn.Module):
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, max_norm=None, norm_type=2.0,
-                        scale_grad_by_freq=False, sparse=True):
-        """Copies the rows of a 2-D tensor into a new host table (torch's signature)."""
-        assert embeddings.dim() == 2, "Embeddings parameter is expected to be 2-dimensional"
-        rows, cols = embeddings.shape
-        return cls(num_embeddings=rows, embedding_dim=cols, _weight=embeddings, _freeze=freeze,
-                   padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
-                   scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+                        scale_grad_by_freq=False, sparse=True, *, key=None, progress=None):
+        """A new host table holding the rows of `embeddings` (torch's signature, plus file loading).
+
+        embeddings: a 2-D tensor, or a path (str or os.PathLike) to a file:
+        ``.npy``; ``.safetensors``; ``.pt``/``.pth`` written by torch.save
+        (a tensor, or a state_dict-like mapping, nested mappings addressed
+        with dotted keys). key: the entry to load; by default the file's only
+        2-D float tensor, else ``"weight"``. float16, bfloat16 and float64
+        rows are converted to float32 on the way in.
+
+        Rows stream into the table in bounded chunks, so loading needs the
+        table's memory plus a few chunks, never the file's size again.
+        progress: show a tqdm bar (None: for files of 1 GiB and more, on a
+        terminal).
+        """
+        if isinstance(embeddings, torch.Tensor):
+            if key is not None:
+                raise ValueError("from_pretrained: key= applies to files, not to a tensor")
+            assert embeddings.dim() == 2, "Embeddings parameter is expected to be 2-dimensional"
+            source = embeddings
+        elif isinstance(embeddings, (str, os.PathLike)):
+            source = open_table(embeddings, key)
+        else:
+            raise TypeError(
+                "from_pretrained expects a 2-D tensor or a path (str or os.PathLike), got "
+                f"{type(embeddings).__name__}"
+            )
+        rows, cols = source.shape
+        emb = cls(num_embeddings=rows, embedding_dim=cols, _weight=_UNINITIALISED, _freeze=freeze,
+                  padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
+                  scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+        if isinstance(source, FileRows):
+            read_rows(source, emb.weight.data, progress=progress)
+        else:
+            copy_rows(emb.weight.data, source.detach(), progress=progress)
+        return emb

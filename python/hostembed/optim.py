@@ -5,6 +5,7 @@ from torch.optim import _functional as torch_functional
 
 from . import _C
 from ._host_memory import host_zeros, is_host_table
+from ._stream import copy_rows
 
 _STATE_TENSORS = ("exp_avg", "exp_avg_sq")
 
@@ -103,7 +104,9 @@ class SparseAdam(torch.optim.SparseAdam):
                 for key in _STATE_TENSORS:
                     if key in state:
                         own = host_zeros(*p.shape)
-                        own.copy_(state[key])
+                        # In row chunks: a torch.load(mmap=True) source is
+                        # released as it is copied, never resident whole.
+                        copy_rows(own, state[key], desc=f"loading {key}")
                         state[key] = own
                 if "step" in state:
                     state["step"] = int(state["step"])

@@ -1,0 +1,76 @@
+"""Swapping the big nn.Embedding modules of an existing model for host tables."""
+import torch
+from torch import nn
+
+from ._stream import copy_rows
+from .embedding import _UNINITIALISED, Embedding
+
+
+def replace_embeddings(model, min_rows=0, *, sparse=None, progress=None):
+    """Replaces every ``torch.nn.Embedding`` in `model` with at least
+    `min_rows` rows by a :class:`hostembed.Embedding` with the same options
+    and weights; returns the model (or the replacement, when `model` itself
+    is an nn.Embedding).
+
+    Rows move in chunks. A CPU weight that nothing else shares (no views, no
+    other tensor on its storage) is released as its rows are copied, so peak
+    memory stays about one table; the replaced module is left with an empty
+    weight. A weight on the meta device (a model built with
+    ``torch.device("meta")``) gives a zero table, ready for
+    ``load_state_dict`` or :func:`hostembed.load`, so such a model is filled
+    from a checkpoint without ever holding the table twice. A module used in
+    several places is replaced by one shared hostembed.Embedding.
+
+    sparse: None keeps each module's own ``sparse`` flag; True is what
+    hostembed.SparseAdam wants. Build optimizers after replacing: the old
+    parameters are no longer part of the model.
+    """
+    if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 0:
+        raise ValueError(f"replace_embeddings: min_rows must be an int >= 0, got {min_rows!r}")
+    replaced = {}
+
+    def convert(module):
+        if id(module) not in replaced:
+            replaced[id(module)] = _to_host(module, sparse, progress)
+        return replaced[id(module)]
+
+    def wants(module):
+        return type(module) is nn.Embedding and module.num_embeddings >= min_rows
+
+    if wants(model):
+        return convert(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if wants(child):
+                setattr(parent, name, convert(child))
+    return model
+
+
+def _to_host(old, sparse, progress):
+    weight = old.weight
+    device = weight.device if weight.device.type not in ("cpu", "meta") else None
+    new = Embedding(old.num_embeddings, old.embedding_dim, padding_idx=old.padding_idx, max_norm=old.max_norm,
+                    norm_type=old.norm_type, scale_grad_by_freq=old.scale_grad_by_freq,
+                    sparse=old.sparse if sparse is None else sparse, _weight=_UNINITIALISED,
+                    _freeze=not weight.requires_grad, device=device)
+    if weight.device.type == "meta":
+        return new
+    release = weight.device.type == "cpu" and weight.is_contiguous() and _sole_owner(weight)
+    copy_rows(new.weight.data, weight.detach(), release_source=release, progress=progress,
+              desc="moving embedding rows")
+    if release:
+        with torch.no_grad():
+            weight.data = torch.empty(0, dtype=weight.dtype)  # its old pages were given back: show it
+    return new
+
+
+def _sole_owner(tensor):
+    """True when no other tensor (view, alias) shares tensor's storage.
+
+    The count includes the temporary storage object made to ask, hence 2.
+    Without torch's private counter we cannot tell, and keep the source.
+    """
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    return use_count(tensor.untyped_storage()._cdata) == 2
