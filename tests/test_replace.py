@@ -1,0 +1,121 @@
+"""replace_embeddings: swapping nn.Embedding modules of a model for host tables."""
+import pytest
+import torch
+from torch import nn
+
+import hostembed
+from hostembed._host_memory import is_host_table
+
+
+class Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = nn.Embedding(300, 6, padding_idx=4, max_norm=2.5, norm_type=3.0, scale_grad_by_freq=True)
+        self.small = nn.Embedding(10, 6)
+        self.inner = nn.Sequential(nn.Embedding(200, 6, sparse=True), nn.Linear(6, 1))
+
+    def forward(self, ids):
+        return self.inner[1](self.big(ids) + self.small(ids % 10) + self.inner[0](ids % 200))
+
+
+@pytest.mark.filterwarnings("ignore:hostembed.Embedding.sparse=False.")
+def test_replaces_big_tables_with_same_options_and_weights():
+    torch.manual_seed(0)
+    model = Tower()
+    reference = Tower()
+    reference.load_state_dict(model.state_dict())
+    model.small.weight.requires_grad_(False)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    out = hostembed.replace_embeddings(model, min_rows=100)
+    assert out is model
+    assert type(model.small) is nn.Embedding  # under min_rows
+    for name, old in (("big", reference.big), ("inner.0", reference.inner[0])):
+        new = model.get_submodule(name)
+        assert isinstance(new, hostembed.Embedding) and is_host_table(new.weight)
+        for option in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+                       "scale_grad_by_freq", "sparse"):
+            assert getattr(new, option) == getattr(old, option), (name, option)
+        assert torch.equal(new.weight.detach(), weights[name + ".weight"])
+        assert new.weight.requires_grad
+    ids = torch.tensor([[1, 4, 299], [4, 4, 17]])
+    assert torch.equal(model(ids), reference(ids))  # max_norm renorms rows in both
+
+
+def test_sparse_override_and_frozen_weights():
+    model = nn.Sequential(nn.Embedding(50, 4), nn.Embedding(60, 4, _freeze=True))
+    with pytest.warns(UserWarning, match="sparse=False"):
+        hostembed.replace_embeddings(nn.Sequential(nn.Embedding(50, 4)))  # keeps sparse=False, and says so
+    hostembed.replace_embeddings(model, sparse=True)
+    assert model[0].sparse and model[1].sparse
+    assert model[0].weight.requires_grad and not model[1].weight.requires_grad
+
+
+def test_shared_module_stays_shared_and_a_lone_embedding_is_returned():
+    shared = nn.Embedding(40, 3)
+    model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared)})
+    hostembed.replace_embeddings(model, sparse=True)
+    assert model["a"] is model["b"][0]
+    lone = nn.Embedding(40, 3)
+    expected = lone.weight.detach().clone()
+    new = hostembed.replace_embeddings(lone, sparse=True)
+    assert isinstance(new, hostembed.Embedding) and torch.equal(new.weight.detach(), expected)
+
+
+def test_half_precision_source_is_widened():
+    model = nn.Sequential(nn.Embedding(30, 5).half())
+    expected = model[0].weight.detach().float()
+    hostembed.replace_embeddings(model, sparse=True)
+    assert model[0].weight.dtype == torch.float32 and torch.equal(model[0].weight.detach(), expected)
+
+
+def test_unshared_cpu_source_is_released_a_viewed_one_is_kept():
+    owned = nn.Embedding(5000, 16)
+    rows = owned.weight.detach().clone()
+    holder = nn.Sequential(owned)
+    hostembed.replace_embeddings(holder, sparse=True)
+    assert torch.equal(holder[0].weight.detach(), rows)
+    assert owned.weight.numel() == 0  # moved out, not left as a second copy
+
+    viewed = nn.Embedding(5000, 16)
+    view = viewed.weight[10:20]
+    before = view.detach().clone()
+    hostembed.replace_embeddings(nn.Sequential(viewed), sparse=True)
+    assert viewed.weight.shape == (5000, 16) and torch.equal(view.detach(), before)
+
+
+def test_meta_model_is_filled_from_a_checkpoint_without_a_second_copy(tmp_path):
+    torch.manual_seed(1)
+    trained = Tower()
+    hostembed.replace_embeddings(trained, min_rows=100, sparse=True)
+    hostembed.save(tmp_path / "c.pt", trained)
+
+    with torch.device("meta"):
+        model = Tower()
+    hostembed.replace_embeddings(model, min_rows=100, sparse=True)
+    assert torch.count_nonzero(model.big.weight) == 0  # a zero table, not N(0, 1) draws
+    model.to_empty(device="cpu")  # the rest of the model; host tables only note the device
+    assert is_host_table(model.big.weight)
+    hostembed.load(tmp_path / "c.pt", model)
+    ids = torch.tensor([3, 4, 150])
+    assert torch.equal(model(ids), trained(ids))
+
+
+def test_trains_with_sparse_adam_after_replacement():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Embedding(100, 4, sparse=True))
+    reference = nn.Sequential(nn.Embedding(100, 4, sparse=True))
+    reference.load_state_dict(model.state_dict())
+    hostembed.replace_embeddings(model)
+    ours, theirs = hostembed.SparseAdam(model.parameters(), lr=0.1), torch.optim.SparseAdam(reference.parameters(), lr=0.1)
+    ids = torch.tensor([1, 2, 2, 7])
+    for m, opt in ((model, ours), (reference, theirs)):
+        m(ids).pow(2).sum().backward()
+        opt.step()
+    torch.testing.assert_close(model[0].weight, reference[0].weight, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "10"])
+def test_min_rows_must_be_a_non_negative_int(bad):
+    with pytest.raises(ValueError, match="min_rows must be an int >= 0"):
+        hostembed.replace_embeddings(nn.Sequential(nn.Embedding(3, 2)), min_rows=bad)
