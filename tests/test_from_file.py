@@ -166,3 +166,29 @@ def test_tensor_source_still_works_and_key_is_refused_for_it():
         hostembed.Embedding.from_pretrained(table(), key="weight")
     with pytest.raises(TypeError, match="expects a 2-D tensor or a path"):
         hostembed.Embedding.from_pretrained([[1.0, 2.0]])
+
+
+def test_torch_file_rows_are_read_from_the_file_and_strided_ones_copied(tmp_path):
+    from hostembed._files import FileRows, open_table
+
+    source = table()
+    torch.save({"weight": source}, tmp_path / "c.pt")
+    rows = open_table(tmp_path / "c.pt")
+    assert isinstance(rows, FileRows) and rows.shape == tuple(source.shape)  # pread, not page faults
+    # A transposed tensor is saved with its strides: rows are not contiguous
+    # in the file, so it goes through the mapped tensor instead.
+    torch.save({"weight": table(12, 301).t()}, tmp_path / "t.pt")
+    assert isinstance(open_table(tmp_path / "t.pt"), torch.Tensor)
+    emb = hostembed.Embedding.from_pretrained(tmp_path / "t.pt")
+    assert torch.equal(emb.weight.detach(), table(12, 301).t())
+
+
+def test_file_shrinking_under_the_reader_is_an_error_not_garbage(tmp_path, monkeypatch):
+    from hostembed._files import FileRows
+
+    monkeypatch.setattr(_stream, "CHUNK_BYTES", 1024)
+    path = write("npy", str(tmp_path / "t.npy"), table())
+    # As if the file lost its tail after its header was checked.
+    claimed = FileRows(path, 128, (400, 12), torch.float32)
+    with pytest.raises(ValueError, match="ended early: short read"):
+        _stream.read_rows(claimed, torch.zeros(400, 12))

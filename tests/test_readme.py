@@ -12,3 +12,24 @@ def test_usage_example_runs():
     exec(compile(blocks[0], "README.md example", "exec"), namespace)
     emb = namespace["emb"]
     assert namespace["opt"].state[emb.weight]["step"] == 10
+
+
+def test_load_and_save_example_runs(tmp_path, monkeypatch):
+    import torch
+    from safetensors.torch import save_file
+
+    import hostembed
+
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    example = next(b for b in blocks if "hostembed.save(" in b)
+    monkeypatch.chdir(tmp_path)
+    vectors = torch.randn(50, 8)
+    save_file({"embeddings": vectors, "other": torch.zeros(2)}, "vectors.safetensors")
+    model = torch.nn.Sequential(hostembed.Embedding(30, 8), torch.nn.Linear(8, 1))
+    sparse_opt = hostembed.SparseAdam(model[0].parameters())
+    dense_opt = torch.optim.Adam(model[1].parameters())
+    namespace = {"hostembed": hostembed, "model": model, "sparse_opt": sparse_opt, "dense_opt": dense_opt,
+                 "epoch": 4}
+    exec(compile(example, "README.md load/save example", "exec"), namespace)
+    assert torch.equal(namespace["emb"].weight, vectors)
+    assert namespace["extra"] == {"epoch": 4}

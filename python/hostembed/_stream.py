@@ -51,9 +51,9 @@ def _advise(address, nbytes, advice):
         _libc.madvise(lo, hi - lo, advice)  # advisory: a refusal only costs memory
 
 
-def _mapped_file_of(address):
-    """The path of the file mapped at `address` in this process, or None
-    (anonymous memory, heap, not found)."""
+def mapped_file_region(address):
+    """(path, offset in the file) of the file mapped at `address` in this
+    process, or None (anonymous memory, heap, a deleted file, not found)."""
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
@@ -61,7 +61,9 @@ def _mapped_file_of(address):
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 if start <= address < end:
                     path = fields[5].strip() if len(fields) == 6 else ""
-                    return path if path.startswith("/") and not path.endswith("(deleted)") else None
+                    if not path.startswith("/") or path.endswith("(deleted)"):
+                        return None
+                    return path, address - start + int(fields[2], 16)
     except OSError:
         pass
     return None
@@ -89,7 +91,7 @@ def copy_rows(dst, src, *, release_source=False, progress=None, desc="copying ro
     if contiguous_cpu:
         if release_source:
             advice = _MADV_DONTNEED
-        elif _mapped_file_of(src.data_ptr()) is not None:
+        elif mapped_file_region(src.data_ptr()) is not None:
             advice = _MADV_PAGEOUT
     row_bytes = src.shape[1] * src.element_size()
     step = _rows_per_chunk(row_bytes)
@@ -152,9 +154,14 @@ def read_rows(rows, dst, *, progress=None):
             return (stop - start) * row_bytes
 
         workers = max(1, min(4, _C.get_num_threads()))
-        with progress_bar(rows.nbytes, progress, f"loading {os.path.basename(rows.path)}") as bar, \
-                ThreadPoolExecutor(workers, thread_name_prefix="hostembed-read") as pool, torch.no_grad():
-            for done in pool.map(load, range(0, num_rows, step)):
-                bar.update(done)
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="hostembed-read")
+        try:
+            with progress_bar(rows.nbytes, progress, f"loading {os.path.basename(rows.path)}") as bar, \
+                    torch.no_grad():
+                for done in pool.map(load, range(0, num_rows, step)):
+                    bar.update(done)
+        finally:
+            # On an error, the chunks not yet started are dropped, not read.
+            pool.shutdown(wait=True, cancel_futures=True)
     finally:
         os.close(fd)

@@ -1,0 +1,280 @@
+"""Loading and saving a big table: peak RSS and wall time, next to plain file reads and writes.
+
+Loading (one fresh process per case, so each peak RSS is its own; the page
+cache warm, then cold where it can be dropped):
+  read            the file read into one reused 64 MiB buffer: the ceiling
+  torch.load      torch.load(path) + nn.Embedding.load_state_dict (the naive way)
+  torch mmap      torch.load(mmap=True) + meta nn.Embedding + load_state_dict(assign=True)
+                  (seeds 003/004): lazy, so a full pass over the rows is timed and measured too
+  hostembed .pt / .safetensors / .npy / fp16 .safetensors
+                  hostembed.Embedding.from_pretrained(path)
+  hostembed.load  a whole checkpoint (weights + both Adam moments) into a live model
+Saving (one process holding the table and its Adam state):
+  plain write     the same bytes written from memory with os.write, then fsync
+  hostembed.save  the checkpoint (no CRC), fsync, rename
+  torch.save      the same dict with torch.save's defaults (CRC on), then fsync
+
+Peak RSS is reported above the process's baseline after `import torch,
+hostembed` (stated separately), in units of the table's bytes.
+
+Usage (in-place build):
+    PYTHONPATH=python python3 benchmarks/load_save.py [--table-gib 4 --dir /tmp/x]
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from _common import GIB, RESULTS_DIR, PeakRss, log, machine_info, require_hostembed, write_json
+
+BUFFER = 64 << 20
+FORMATS = {"pt": ".pt", "safetensors": ".safetensors", "npy": ".npy", "safetensors16": ".fp16.safetensors"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--table-gib", type=float, default=4.0, help="table size in GiB (float32)")
+    p.add_argument("--dim", type=int, default=128, help="embedding dim D")
+    p.add_argument("--dir", default=None, help="where the files go (default: a temporary folder, removed after)")
+    p.add_argument("--keep", action="store_true", help="keep the files")
+    p.add_argument("--no-cold", action="store_true", help="skip the cold page cache runs")
+    p.add_argument("--no-save", action="store_true", help="skip the save measurements (they need 3x the table in RAM)")
+    p.add_argument("--repeats", type=int, default=3, help="save: timed rounds (median reported)")
+    p.add_argument("--out", default=os.path.join(RESULTS_DIR, "load_save.json"))
+    p.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
+    p.add_argument("--path", help=argparse.SUPPRESS)
+    p.add_argument("--rows", type=int, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def trained_table(hostembed, rows, dim):
+    """A table with both Adam moments resident, as after training, without
+    a full-table batch (its output and gradient would need 2 more tables)."""
+    emb = hostembed.Embedding(rows, dim)
+    opt = hostembed.SparseAdam(emb.parameters())
+    emb(torch.arange(min(rows, 1024))).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    for moment in opt.state[emb.weight].values():
+        if isinstance(moment, torch.Tensor) and moment.dim() == 2:
+            moment.uniform_(0.0, 1e-3)
+    hostembed.empty_cache()
+    return emb, opt
+
+
+# --- one case, in its own process ------------------------------------------------------------
+
+def run_case(case, path, rows, dim):
+    hostembed = require_hostembed()
+    peak = PeakRss()
+    peak.start()
+    baseline = peak.window()
+    result = {}
+    t0 = time.perf_counter()
+    if case == "read":
+        buf = bytearray(BUFFER)
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    elif case == "torch.load":
+        emb = torch.nn.Embedding(rows, dim)  # the model exists before its checkpoint is loaded
+        t0 = time.perf_counter()
+        emb.load_state_dict(torch.load(path, weights_only=True))
+    elif case == "torch mmap":
+        with torch.device("meta"):
+            emb = torch.nn.Embedding(rows, dim)
+        emb.load_state_dict(torch.load(path, mmap=True, weights_only=True), assign=True)
+        result["load_s"] = time.perf_counter() - t0
+        result["load_peak_bytes"] = peak.window() - baseline
+        emb.weight.detach().sum()  # the first pass faults the rows in
+    elif case.startswith("hostembed ."):
+        emb = hostembed.Embedding.from_pretrained(path, progress=False)
+    elif case == "hostembed.load":
+        emb, opt = trained_table(hostembed, rows, dim)
+        peak.start()
+        baseline = peak.window() - 3 * rows * dim * 4  # the live table and moments are what gets loaded
+        result["loaded_bytes"] = 3 * rows * dim * 4
+        t0 = time.perf_counter()
+        hostembed.load(path, emb, opt)
+    else:
+        raise SystemExit(f"unknown case {case}")
+    result.setdefault("loaded_bytes", rows * dim * 4)
+    result.update(seconds=time.perf_counter() - t0, peak_bytes=peak.window() - baseline, baseline_bytes=baseline)
+    print(json.dumps(result))
+
+
+def run_save(directory, rows, dim, repeats):
+    """Table + Adam state in memory; times a plain write, hostembed.save and torch.save of them."""
+    hostembed = require_hostembed()
+    emb, opt = trained_table(hostembed, rows, dim)
+    state = opt.state[emb.weight]
+    tensors = [emb.weight.detach(), state["exp_avg"], state["exp_avg_sq"]]
+    nbytes = sum(t.numel() * 4 for t in tensors)
+    peak = PeakRss()
+    out = {}
+
+    def timed(name, fn, path):
+        peak.start()
+        before = peak.window()
+        t0 = time.perf_counter()
+        fn(path)
+        seconds = time.perf_counter() - t0
+        row = out.setdefault(name, {"seconds": [], "peak_extra_bytes": 0, "file_bytes": os.path.getsize(path)})
+        row["seconds"].append(seconds)
+        row["peak_extra_bytes"] = max(row["peak_extra_bytes"], peak.window() - before)
+        log(f"  {name}: {seconds:.1f} s")
+
+    def plain(path):
+        import ctypes
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for t in tensors:
+                view = memoryview((ctypes.c_char * (t.numel() * 4)).from_address(t.data_ptr())).cast("B")
+                for start in range(0, len(view), BUFFER):
+                    os.write(fd, view[start:start + BUFFER])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def torch_default(path):
+        torch.save({"model": emb.state_dict(), "optimizer": opt.state_dict()}, path)
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    contenders = (("plain write", plain, "plain.bin"),
+                  ("hostembed.save", lambda p: hostembed.save(p, emb, opt), "checkpoint.pt"),
+                  ("torch.save", torch_default, "torch_default.pt"))
+    # The first big write of a process runs several times slower whatever
+    # writes it (page cache growing): one untimed write, then rounds in
+    # rotation so that drift hits every contender alike.
+    plain(os.path.join(directory, "warmup.bin"))
+    os.unlink(os.path.join(directory, "warmup.bin"))
+    for _ in range(repeats):
+        for name, fn, file in contenders:
+            timed(name, fn, os.path.join(directory, file))
+            if name != "hostembed.save":
+                os.unlink(os.path.join(directory, file))  # the checkpoint stays for the load case
+    for row in out.values():
+        row["median_s"] = statistics.median(row["seconds"])
+        row["gb_per_s"] = nbytes / row["median_s"] / 1e9
+    print(json.dumps({"bytes": nbytes, **out}))
+
+
+# --- the driver -------------------------------------------------------------------------------
+
+def child(args, **kw):
+    argv = [sys.executable, os.path.abspath(__file__)] + [f"--{k}={v}" for k, v in kw.items()]
+    done = subprocess.run(argv, check=True, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    sys.stderr.write(done.stderr)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def evict(path):
+    """Drops the file's pages from the page cache (clean pages only: fsync'ed first)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def write_files(directory, rows, dim):
+    from safetensors.torch import save_file
+    import numpy as np
+
+    log(f"writing a {rows} x {dim} float32 table in every format to {directory} ...")
+    table = torch.randn(rows, dim)
+    paths = {name: os.path.join(directory, "table" + suffix) for name, suffix in FORMATS.items()}
+    torch.save({"weight": table}, paths["pt"])
+    np.save(paths["npy"], table.numpy())
+    save_file({"weight": table}, paths["safetensors"])
+    save_file({"weight": table.half()}, paths["safetensors16"])
+    return paths
+
+
+def main():
+    args = parse_args()
+    if args.case == "save":
+        return run_save(args.path, args.rows, args.dim, args.repeats)
+    if args.case:
+        return run_case(args.case, args.path, args.rows, args.dim)
+    rows = int(args.table_gib * GIB) // (args.dim * 4)
+    table_bytes = rows * args.dim * 4
+    directory = args.dir or tempfile.mkdtemp(prefix="hostembed-load-")
+    os.makedirs(directory, exist_ok=True)
+    report = {"machine": machine_info(), "rows": rows, "dim": args.dim, "table_bytes": table_bytes, "load": [],
+              "save": None}
+    try:
+        paths = write_files(directory, rows, args.dim)
+        if not args.no_save:
+            log("saving table + Adam state three ways ...")
+            report["save"] = child(args, case="save", path=directory, rows=rows, dim=args.dim,
+                                   repeats=args.repeats)
+            paths["checkpoint"] = os.path.join(directory, "checkpoint.pt")
+        cases = [("torch.load", "pt"), ("torch mmap", "pt"), ("hostembed .pt", "pt"),
+                 ("hostembed .safetensors", "safetensors"), ("hostembed .npy", "npy"),
+                 ("hostembed .safetensors fp16", "safetensors16")]
+        if "checkpoint" in paths:
+            cases.append(("hostembed.load", "checkpoint"))
+        for cache in ["warm"] + ([] if args.no_cold else ["cold"]):
+            for case, fmt in cases:
+                path = paths[fmt]
+                log(f"{cache}: {case} ({os.path.basename(path)})")
+                # Reading the same file in the same cache state is this case's ceiling.
+                if cache == "cold":
+                    evict(path)
+                read = child(args, case="read", path=path, rows=rows, dim=args.dim)
+                if cache == "cold":
+                    evict(path)
+                result = child(args, case=case, path=path, rows=rows, dim=args.dim)
+                report["load"].append({"case": case, "file": os.path.basename(path), "cache": cache,
+                                       "file_bytes": os.path.getsize(path), "read_seconds": read["seconds"],
+                                       "read_baseline_bytes": read["baseline_bytes"], **result})
+    finally:
+        if not args.keep and args.dir is None:
+            shutil.rmtree(directory, ignore_errors=True)
+    print_report(report)
+    write_json(args.out, report)
+    log(f"wrote {args.out}")
+
+
+def print_report(report):
+    table_bytes = report["table_bytes"]
+    print(f"\nTable: {report['rows']:,} x {report['dim']} float32 = {table_bytes / GIB:.2f} GiB; "
+          f"{report['machine']['cpu_model']}, {report['machine']['usable_cpus']} CPUs")
+    baseline = [r["read_baseline_bytes"] for r in report["load"]]
+    if baseline:
+        print(f"Baseline RSS after `import torch, hostembed` (not counted below): {min(baseline) / 2**20:.0f} MiB\n")
+    print("| load | file | cache | wall s | read file s | x read | peak RSS / bytes loaded |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for r in report["load"]:
+        extra = ""
+        if "load_s" in r:
+            extra = f" (load {r['load_s']:.2f} s, peak {r['load_peak_bytes'] / table_bytes:.2f}; + first pass)"
+        print(f"| {r['case']}{extra} | {r['file']} | {r['cache']} | {r['seconds']:.2f} | {r['read_seconds']:.2f} | "
+              f"{r['seconds'] / r['read_seconds']:.2f} | {r['peak_bytes'] / r['loaded_bytes']:.2f} |")
+    if report["save"]:
+        save = report["save"]
+        print(f"\nSave of weights + Adam state ({save['bytes'] / GIB:.1f} GiB), fsync included, "
+              f"median of {len(save['plain write']['seconds'])}:\n")
+        print("| save | wall s | GB/s | x plain write | extra peak RSS / table |")
+        print("|---|---:|---:|---:|---:|")
+        plain = save["plain write"]["median_s"]
+        for name in ("plain write", "hostembed.save", "torch.save"):
+            s = save[name]
+            print(f"| {name} | {s['median_s']:.1f} | {s['gb_per_s']:.2f} | {s['median_s'] / plain:.2f} | "
+                  f"{s['peak_extra_bytes'] / table_bytes:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
