@@ -2,7 +2,8 @@
 
 Loading (one fresh process per case, so each peak RSS is its own; the page
 cache warm, then cold where it can be dropped):
-  read            the file read into one reused 64 MiB buffer: the ceiling
+  read            the file read into one reused 64 MiB buffer: the ceiling, which
+                  unlike any loader needs no fresh memory for the table
   torch.load      torch.load(path) + nn.Embedding.load_state_dict (the naive way)
   torch mmap      torch.load(mmap=True) + meta nn.Embedding + load_state_dict(assign=True)
                   (seeds 003/004): lazy, so a full pass over the rows is timed and measured too
@@ -95,6 +96,9 @@ def run_case(case, path, rows, dim):
         result["load_s"] = time.perf_counter() - t0
         result["load_peak_bytes"] = peak.window() - baseline
         emb.weight.detach().sum()  # the first pass faults the rows in
+    elif case == "allocate":
+        from hostembed.embedding import _UNINITIALISED
+        emb = hostembed.Embedding(rows, dim, _weight=_UNINITIALISED)  # what from_pretrained does before reading
     elif case.startswith("hostembed ."):
         emb = hostembed.Embedding.from_pretrained(path, progress=False)
     elif case == "hostembed.load":
@@ -199,6 +203,8 @@ def write_files(directory, rows, dim):
     np.save(paths["npy"], table.numpy())
     save_file({"weight": table}, paths["safetensors"])
     save_file({"weight": table.half()}, paths["safetensors16"])
+    for path in paths.values():
+        evict(path)  # written back now, not while a case is timed
     return paths
 
 
@@ -230,9 +236,13 @@ def main():
             for case, fmt in cases:
                 path = paths[fmt]
                 log(f"{cache}: {case} ({os.path.basename(path)})")
+                # Only this case's file may be cached (warm) or none (cold):
+                # every case then finds the same free memory, instead of
+                # paying to reclaim the page cache the earlier files left.
+                for other in paths.values():
+                    if other != path or cache == "cold":
+                        evict(other)
                 # Reading the same file in the same cache state is this case's ceiling.
-                if cache == "cold":
-                    evict(path)
                 read = child(args, case="read", path=path, rows=rows, dim=args.dim)
                 if cache == "cold":
                     evict(path)
@@ -240,6 +250,9 @@ def main():
                 report["load"].append({"case": case, "file": os.path.basename(path), "cache": cache,
                                        "file_bytes": os.path.getsize(path), "read_seconds": read["seconds"],
                                        "read_baseline_bytes": read["baseline_bytes"], **result})
+        for other in paths.values():
+            evict(other)
+        report["allocate_seconds"] = child(args, case="allocate", path="-", rows=rows, dim=args.dim)["seconds"]
     finally:
         if not args.keep and args.dir is None:
             shutil.rmtree(directory, ignore_errors=True)
@@ -263,6 +276,9 @@ def print_report(report):
             extra = f" (load {r['load_s']:.2f} s, peak {r['load_peak_bytes'] / table_bytes:.2f}; + first pass)"
         print(f"| {r['case']}{extra} | {r['file']} | {r['cache']} | {r['seconds']:.2f} | {r['read_seconds']:.2f} | "
               f"{r['seconds'] / r['read_seconds']:.2f} | {r['peak_bytes'] / r['loaded_bytes']:.2f} |")
+    if "allocate_seconds" in report:
+        print(f"\nAllocating and first-touching the {table_bytes / GIB:.2f} GiB table alone (no file) takes "
+              f"{report['allocate_seconds']:.2f} s: part of every hostembed load above, not of the reads.")
     if report["save"]:
         save = report["save"]
         print(f"\nSave of weights + Adam state ({save['bytes'] / GIB:.1f} GiB), fsync included, "
