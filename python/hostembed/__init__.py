@@ -5,12 +5,14 @@ host memory, with a threaded SIMD C core doing the lookups and the updates in
 place.
 """
 from . import _C
+from ._cuda import cuda_available, cuda_compiled
 from ._ids import IdDtypeError
 from .embedding import Embedding
 from .optim import SparseAdam
 
 __version__ = "0.1.0"
-__all__ = ["Embedding", "SparseAdam", "IdDtypeError", "set_num_threads", "get_num_threads", "empty_cache"]
+__all__ = ["Embedding", "SparseAdam", "IdDtypeError", "set_num_threads", "get_num_threads", "empty_cache",
+           "cuda_available", "cuda_compiled"]
 
 
 def set_num_threads(n: int) -> None:
