@@ -24,11 +24,6 @@ struct dedup_layout {
     size_t readback, keys_in, keys_out, positions, heads, segments, temp, temp_bytes, total;
 };
 
-static size_t align_up(size_t x)
-{
-    return (x + 255) & ~(size_t)255;
-}
-
 /* Bits that distinguish ids in [0, num_rows): the sort skips the rest. Ids
  * outside the range are sorted by their low bits only, harmlessly: the batch
  * is refused before anything reads their rows. */
@@ -49,20 +44,20 @@ static he_status plan(int64_t count, int64_t num_rows, dedup_layout *l)
     HE_CUDA_TRY(cub::DeviceScan::InclusiveSum(NULL, scan_bytes, (const int32_t *)NULL, (int32_t *)NULL, n));
     size_t at = 0;
     l->readback = at;
-    at += align_up(sizeof(dedup_readback));
+    at += he_cuda_align256(sizeof(dedup_readback));
     l->keys_in = at;
-    at += align_up((size_t)count * sizeof(uint64_t));
+    at += he_cuda_align256((size_t)count * sizeof(uint64_t));
     l->keys_out = at;
-    at += align_up((size_t)count * sizeof(uint64_t));
+    at += he_cuda_align256((size_t)count * sizeof(uint64_t));
     l->positions = at;
-    at += align_up((size_t)count * sizeof(int32_t));
+    at += he_cuda_align256((size_t)count * sizeof(int32_t));
     l->heads = at;
-    at += align_up((size_t)count * sizeof(int32_t));
+    at += he_cuda_align256((size_t)count * sizeof(int32_t));
     l->segments = at;
-    at += align_up((size_t)count * sizeof(int32_t));
+    at += he_cuda_align256((size_t)count * sizeof(int32_t));
     l->temp = at;
     l->temp_bytes = sort_bytes > scan_bytes ? sort_bytes : scan_bytes;
-    at += align_up(l->temp_bytes);
+    at += he_cuda_align256(l->temp_bytes);
     l->total = at;
     return HE_OK;
 }

@@ -24,11 +24,6 @@ struct reduce_layout {
     int64_t max_parts;
 };
 
-static size_t align_up(size_t x)
-{
-    return (x + 255) & ~(size_t)255;
-}
-
 /* Ids with c > CHUNK positions get ceil(c / CHUNK) < 2c / CHUNK chunks, so
  * all of them together have fewer than 2 * count / CHUNK. */
 static he_status plan(int64_t count, int64_t num_unique, int64_t dim, reduce_layout *l)
@@ -39,14 +34,14 @@ static he_status plan(int64_t count, int64_t num_unique, int64_t dim, reduce_lay
     l->max_parts = (2 * count + CHUNK - 1) / CHUNK;
     size_t at = 0;
     l->parts = at;
-    at += align_up((size_t)num_unique * sizeof(int32_t));
+    at += he_cuda_align256((size_t)num_unique * sizeof(int32_t));
     l->part_base = at;
-    at += align_up((size_t)num_unique * sizeof(int32_t));
+    at += he_cuda_align256((size_t)num_unique * sizeof(int32_t));
     l->partials = at;
-    at += align_up((size_t)l->max_parts * (size_t)dim * sizeof(float));
+    at += he_cuda_align256((size_t)l->max_parts * (size_t)dim * sizeof(float));
     l->temp = at;
     l->temp_bytes = scan_bytes;
-    at += align_up(scan_bytes);
+    at += he_cuda_align256(scan_bytes);
     l->total = at;
     return HE_OK;
 }

@@ -55,6 +55,13 @@ static inline unsigned he_cuda_blocks(int64_t items, int64_t per_block)
     return (unsigned)(blocks < HE_CUDA_MAX_BLOCKS ? blocks : HE_CUDA_MAX_BLOCKS);
 }
 
+/* Workspace sub-buffers start on 256 bytes: CUB's own alignment for its
+ * temporary storage, and whole cache lines for the rest. */
+static inline size_t he_cuda_align256(size_t x)
+{
+    return (x + 255) & ~(size_t)255;
+}
+
 static inline int he_cuda_aligned16(const void *p)
 {
     return ((uintptr_t)p & 15u) == 0;

@@ -108,6 +108,8 @@ class SparseAdam(torch.optim.SparseAdam):
 
         # Taken (and so released) whatever the mode: it holds GPU memory.
         twin = _gpu.take_grad_twin(p, grad)
+        if self.update == "gpu":
+            _gpu.want_grad_twin(p)  # also for parameters added by add_param_group
         state = self.state.get(p)  # not self.state[p]: a defaultdict would add an entry
         if not state:
             exp_avg, exp_avg_sq, step = host_zeros(num_rows, dim), host_zeros(num_rows, dim), 0
