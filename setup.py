@@ -1,13 +1,27 @@
-"""Build of hostembed's C core.
+"""Build of hostembed's C core, and of its CUDA kernels where nvcc is found.
 
 The build needs setuptools and a C compiler only; it never imports torch, so
 one build serves every torch >= 2.1 and `pip install .` works with build
 isolation. Set HOSTEMBED_WERROR=1 to turn warnings into errors (CI does).
+
+CUDA (cuda/*.cu, the GPU path): HOSTEMBED_CUDA=1 requires it (the build fails
+if nvcc is missing), =0 skips it, unset builds it when nvcc is found (on
+PATH, or under $CUDA_HOME / $CUDA_PATH). The CUDA runtime is linked
+statically, so the extension needs only a driver, never a libcudart of the
+version torch happens to ship; kernels run in the same primary context as
+torch's, on the streams torch hands over.
 """
 import glob
 import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+WERROR = os.environ.get("HOSTEMBED_WERROR") == "1"
 
 CFLAGS = [
     "-std=c11",
@@ -23,16 +37,143 @@ CFLAGS = [
     # never happens here (v >= 0) and nothing reads.
     "-fno-math-errno",
 ]
-if os.environ.get("HOSTEMBED_WERROR") == "1":
+if WERROR:
     CFLAGS.append("-Werror")
 
-core = Extension(
-    "hostembed._C",
-    sources=sorted(glob.glob("csrc/*.c")),
-    include_dirs=["csrc"],
-    extra_compile_args=CFLAGS,
-    extra_link_args=["-pthread"],
-    libraries=["m"],
-)
+# sm_80 (A100) and sm_90 (H100/H200) machine code, plus compute_90 PTX that
+# the driver compiles for newer GPUs.
+NVCC_ARCH = [
+    "-gencode=arch=compute_80,code=sm_80",
+    "-gencode=arch=compute_90,code=sm_90",
+    "-gencode=arch=compute_90,code=compute_90",
+]
+NVCC_FLAGS = [
+    "-O3",
+    "-std=c++17",
+    "-Xcompiler", "-fPIC",
+    "-Xcompiler", "-Wall,-Wextra,-Wno-missing-field-initializers",
+    # The kernels round every operation explicitly (__fadd_rn and friends);
+    # this keeps any other float expression unfused too.
+    "-fmad=false",
+    "-Icsrc",
+    "-Icuda",
+    *NVCC_ARCH,
+]
+if WERROR:
+    NVCC_FLAGS += ["-Werror", "all-warnings", "-Xcompiler", "-Werror"]
 
-setup(ext_modules=[core])
+
+def _cuda_mode():
+    value = os.environ.get("HOSTEMBED_CUDA", "")
+    if value not in ("", "0", "1"):
+        sys.exit(f"HOSTEMBED_CUDA must be 0 (skip the CUDA kernels), 1 (require them) or unset (auto), got {value!r}")
+    return value
+
+
+def _find_nvcc():
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def _cuda_lib_dir(nvcc):
+    """Where libcudart_static.a lies: nvcc's own dry run names the toolkit
+    root (TOP), which also works when nvcc on PATH is a wrapper script."""
+    roots = []
+    try:
+        dry = subprocess.run([nvcc, "--dryrun", "--version"], capture_output=True, text=True, timeout=60)
+        for line in (dry.stdout + dry.stderr).splitlines():
+            if line.startswith("#$ TOP="):
+                roots.append(line.split("=", 1)[1].strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    roots.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    roots.append("/usr/local/cuda")
+    for root in roots:
+        for sub in ("lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"):
+            path = os.path.join(root, sub)
+            if os.path.isfile(os.path.join(path, "libcudart_static.a")):
+                return os.path.normpath(path)
+    return None
+
+
+class BuildExt(build_ext):
+    """Compiles cuda/*.cu with nvcc (in parallel: CI has two cores and the
+    CUB sort dominates) and links the objects into the one extension."""
+
+    def build_extension(self, ext):
+        cuda = getattr(ext, "_hostembed_cuda", None)
+        if cuda:
+            nvcc, lib_dir = cuda
+            os.makedirs(self.build_temp, exist_ok=True)
+            sources = sorted(glob.glob("cuda/*.cu"))
+            objects = [os.path.join(self.build_temp, os.path.basename(s) + ".o") for s in sources]
+
+            def compile_one(pair):
+                src, obj = pair
+                cmd = [nvcc, "-c", src, "-o", obj, *NVCC_FLAGS]
+                print(" ".join(cmd), flush=True)
+                return subprocess.run(cmd, capture_output=True, text=True)
+
+            with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+                results = list(pool.map(compile_one, zip(sources, objects)))
+            failed = False
+            for src, res in zip(sources, results):
+                if res.stdout or res.stderr:
+                    print(res.stdout + res.stderr, file=sys.stderr, flush=True)
+                if res.returncode != 0:
+                    print(f"nvcc failed on {src} (exit status {res.returncode})", file=sys.stderr)
+                    failed = True
+            if failed:
+                sys.exit("hostembed: the CUDA kernels did not compile (see nvcc's output above); "
+                         "set HOSTEMBED_CUDA=0 to build the CPU-only extension")
+            ext.extra_objects = list(ext.extra_objects or []) + objects
+            ext.library_dirs = list(ext.library_dirs or []) + [lib_dir]
+        super().build_extension(ext)
+
+
+def _extension():
+    mode = _cuda_mode()
+    define_macros = []
+    libraries = ["m"]
+    cuda = None
+    if mode != "0":
+        nvcc = _find_nvcc()
+        if nvcc is None and mode == "1":
+            sys.exit("HOSTEMBED_CUDA=1 but nvcc was found neither on PATH nor under $CUDA_HOME or $CUDA_PATH")
+        if nvcc is not None:
+            lib_dir = _cuda_lib_dir(nvcc)
+            if lib_dir is None:
+                msg = f"found {nvcc} but no libcudart_static.a in its toolkit"
+                if mode == "1":
+                    sys.exit(f"HOSTEMBED_CUDA=1 but {msg}")
+                print(f"hostembed: {msg}; building without CUDA", file=sys.stderr)
+            else:
+                print(f"hostembed: building the CUDA kernels with {nvcc} (runtime from {lib_dir})", file=sys.stderr)
+                cuda = (nvcc, lib_dir)
+                define_macros.append(("HE_WITH_CUDA", "1"))
+                # Static runtime: no libcudart version to match torch's. It
+                # needs librt, libdl and pthreads from the system, and the
+                # nvcc objects (CUB is C++) need libstdc++, which torch loads
+                # anyway.
+                libraries = ["cudart_static", "rt", "dl", "pthread", "stdc++", "m"]
+        else:
+            print("hostembed: nvcc not found; building without CUDA (the GPU path reports this on use)",
+                  file=sys.stderr)
+
+    ext = Extension(
+        "hostembed._C",
+        sources=sorted(glob.glob("csrc/*.c")),
+        include_dirs=["csrc", "cuda"],
+        define_macros=define_macros,
+        extra_compile_args=CFLAGS,
+        extra_link_args=["-pthread"],
+        libraries=libraries,
+    )
+    ext._hostembed_cuda = cuda
+    return ext
+
+
+setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExt})

@@ -11,7 +11,8 @@ typedef enum he_status {
     HE_ERR_NOMEM,  /* an allocation failed: MemoryError */
     HE_ERR_INDEX,  /* an id outside [0, num_rows): IndexError */
     HE_ERR_VALUE,  /* a bad argument: ValueError */
-    HE_ERR_SYSTEM  /* the OS refused something (threads, mmap flags): OSError */
+    HE_ERR_SYSTEM, /* the OS refused something (threads, mmap flags): OSError */
+    HE_ERR_CUDA    /* a CUDA call failed: RuntimeError, as torch raises for its own */
 } he_status;
 
 #if defined(__GNUC__)

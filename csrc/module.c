@@ -13,6 +13,9 @@
 #include "renorm.h"
 #include "sparse_adam.h"
 #include "thread_pool.h"
+#ifdef HE_WITH_CUDA
+#include "he_cuda.h"
+#endif
 
 static PyObject *raise_status(he_status st)
 {
@@ -21,6 +24,7 @@ static PyObject *raise_status(he_status st)
     case HE_ERR_NOMEM: type = PyExc_MemoryError; break;
     case HE_ERR_INDEX: type = PyExc_IndexError; break;
     case HE_ERR_VALUE: type = PyExc_ValueError; break;
+    case HE_ERR_CUDA: type = PyExc_RuntimeError; break;
     default: type = PyExc_OSError; break;
     }
     PyErr_SetString(type, he_last_error());
@@ -41,6 +45,11 @@ typedef struct {
     void *ptr;
     size_t nbytes;
     int scratch; /* recycled through the core's scratch cache when dropped */
+    /* Pinned and mapped for the GPU (cuda_register): the device address of
+     * ptr and the device it was registered from; -1: not registered. */
+    void *device_ptr;
+    int cuda_device;
+    PyObject *weakrefs; /* the Python layer finds buffers by address through weak references */
 } HostBuffer;
 
 static PyObject *HostBuffer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -57,6 +66,7 @@ static PyObject *HostBuffer_new(PyTypeObject *type, PyObject *args, PyObject *kw
     HostBuffer *self = (HostBuffer *)type->tp_alloc(type, 0);
     if (!self)
         return NULL;
+    self->cuda_device = -1; /* tp_alloc zeroes, and 0 is a device */
     he_status st;
     void *ptr = NULL;
     size_t mapped = (size_t)nbytes;
@@ -83,6 +93,17 @@ static PyObject *HostBuffer_new(PyTypeObject *type, PyObject *args, PyObject *kw
 
 static void HostBuffer_dealloc(HostBuffer *self)
 {
+    if (self->weakrefs)
+        PyObject_ClearWeakRefs((PyObject *)self);
+#ifdef HE_WITH_CUDA
+    /* Before munmap: the pages must not stay pinned (or be read by a
+     * kernel) once they are gone. */
+    if (self->cuda_device >= 0) {
+        Py_BEGIN_ALLOW_THREADS
+        he_cuda_unregister(self->ptr, self->nbytes, self->cuda_device);
+        Py_END_ALLOW_THREADS
+    }
+#endif
     if (self->scratch)
         he_scratch_release(self->ptr, self->nbytes);
     else
@@ -109,9 +130,70 @@ static PyObject *HostBuffer_nbytes(HostBuffer *self, void *closure)
     return PyLong_FromSize_t(self->nbytes);
 }
 
+static PyObject *HostBuffer_device_address(HostBuffer *self, void *closure)
+{
+    (void)closure;
+    if (self->cuda_device < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromVoidPtr(self->device_ptr);
+}
+
+static PyObject *HostBuffer_cuda_device(HostBuffer *self, void *closure)
+{
+    (void)closure;
+    if (self->cuda_device < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLong(self->cuda_device);
+}
+
+static PyObject *HostBuffer_cuda_register(HostBuffer *self, PyObject *arg)
+{
+    long device = PyLong_AsLong(arg);
+    if (device == -1 && PyErr_Occurred())
+        return NULL;
+#ifdef HE_WITH_CUDA
+    if (self->scratch) {
+        PyErr_SetString(PyExc_ValueError, "scratch buffers are recycled between steps and are never registered");
+        return NULL;
+    }
+    if (self->cuda_device >= 0) {
+        PyErr_Format(PyExc_ValueError, "this buffer is already registered (from CUDA device %d)", self->cuda_device);
+        return NULL;
+    }
+    if (device < 0 || device > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "CUDA device index must be >= 0, got %ld", device);
+        return NULL;
+    }
+    void *device_ptr = NULL;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_register(self->ptr, self->nbytes, (int)device, &device_ptr);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return raise_status(st);
+    self->device_ptr = device_ptr;
+    self->cuda_device = (int)device;
+    Py_RETURN_NONE;
+#else
+    (void)self;
+    PyErr_SetString(PyExc_RuntimeError, "hostembed was built without CUDA: host buffers cannot be registered");
+    return NULL;
+#endif
+}
+
+static PyMethodDef HostBuffer_methods[] = {
+    {"cuda_register", (PyCFunction)HostBuffer_cuda_register, METH_O,
+     "cuda_register(device): pin and map for zero-copy GPU access (cudaHostRegister Mapped|Portable, "
+     "in chunks); unregistered when the buffer is freed"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyGetSetDef HostBuffer_getset[] = {
     {"address", (getter)HostBuffer_address, NULL, "address of the first byte", NULL},
     {"nbytes", (getter)HostBuffer_nbytes, NULL, "size in bytes", NULL},
+    {"device_address", (getter)HostBuffer_device_address, NULL,
+     "device address of the first byte once registered, else None", NULL},
+    {"cuda_device", (getter)HostBuffer_cuda_device, NULL, "the device it was registered from, else None", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -131,6 +213,8 @@ static PyTypeObject HostBufferType = {
     .tp_dealloc = (destructor)HostBuffer_dealloc,
     .tp_as_buffer = &HostBuffer_as_buffer,
     .tp_getset = HostBuffer_getset,
+    .tp_methods = HostBuffer_methods,
+    .tp_weaklistoffset = offsetof(HostBuffer, weakrefs),
 };
 
 /* ---- Dedup: the sorted unique ids of one batch, kept between the calls
@@ -280,6 +364,147 @@ static PyObject *py_sparse_adam(PyObject *mod, PyObject *args)
     Py_RETURN_NONE;
 }
 
+#ifdef HE_WITH_CUDA
+/* ---- the GPU path: addresses of torch CUDA tensors, of registered host
+ * memory (device addresses), a device index and a stream handle. */
+
+#define PTR(x) ((void *)(uintptr_t)(x))
+
+static PyObject *py_cuda_dedup_workspace(PyObject *mod, PyObject *args)
+{
+    (void)mod;
+    long long count, num_rows;
+    int device;
+    if (!PyArg_ParseTuple(args, "LLi", &count, &num_rows, &device))
+        return NULL;
+    size_t bytes = 0;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_dedup_workspace(count, num_rows, device, &bytes);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return raise_status(st);
+    return PyLong_FromSize_t(bytes);
+}
+
+static PyObject *py_cuda_dedup(PyObject *mod, PyObject *args)
+{
+    (void)mod;
+    unsigned long long ids, workspace, unique, offsets, order, inverse, stream;
+    long long count, num_rows, padding_idx;
+    Py_ssize_t workspace_bytes;
+    int is_int64, device;
+    if (!PyArg_ParseTuple(args, "KLpLLKnKKKKiK", &ids, &count, &is_int64, &num_rows, &padding_idx, &workspace,
+                          &workspace_bytes, &unique, &offsets, &order, &inverse, &device, &stream))
+        return NULL;
+    he_cuda_dedup_out out = {PTR(unique), PTR(offsets), PTR(order), PTR(inverse)};
+    int64_t num_unique = 0, padding_slot = -1;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_dedup(PTR(ids), count, is_int64, num_rows, padding_idx, PTR(workspace), (size_t)workspace_bytes,
+                       &out, &num_unique, &padding_slot, device, PTR(stream));
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return raise_status(st);
+    return Py_BuildValue("(LL)", (long long)num_unique, (long long)padding_slot);
+}
+
+static PyObject *py_cuda_gather(PyObject *mod, PyObject *args)
+{
+    (void)mod;
+    unsigned long long table, rows, out, stream;
+    long long dim, count;
+    int device;
+    if (!PyArg_ParseTuple(args, "KLKLKiK", &table, &dim, &rows, &count, &out, &device, &stream))
+        return NULL;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_gather(PTR(table), dim, PTR(rows), count, PTR(out), device, PTR(stream));
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_cuda_renorm(PyObject *mod, PyObject *args)
+{
+    (void)mod;
+    unsigned long long table, rows, stream;
+    long long dim, count;
+    double max_norm, norm_type;
+    int device;
+    if (!PyArg_ParseTuple(args, "KLKLddiK", &table, &dim, &rows, &count, &max_norm, &norm_type, &device, &stream))
+        return NULL;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_renorm(PTR(table), dim, PTR(rows), count, max_norm, norm_type, device, PTR(stream));
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_cuda_grad_reduce_workspace(PyObject *mod, PyObject *args)
+{
+    (void)mod;
+    long long count, num_unique, dim;
+    int device;
+    if (!PyArg_ParseTuple(args, "LLLi", &count, &num_unique, &dim, &device))
+        return NULL;
+    size_t bytes = 0;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_grad_reduce_workspace(count, num_unique, dim, device, &bytes);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return raise_status(st);
+    return PyLong_FromSize_t(bytes);
+}
+
+static PyObject *py_cuda_grad_reduce(PyObject *mod, PyObject *args)
+{
+    (void)mod;
+    unsigned long long grad, unique, offsets, order, inverse, workspace, values, indices, stream;
+    long long dim, count, num_unique, padding_slot;
+    Py_ssize_t workspace_bytes;
+    int scale, device;
+    if (!PyArg_ParseTuple(args, "KLLKKKKLLpKnKKiK", &grad, &dim, &count, &unique, &offsets, &order, &inverse,
+                          &num_unique, &padding_slot, &scale, &workspace, &workspace_bytes, &values, &indices,
+                          &device, &stream))
+        return NULL;
+    he_cuda_dedup_out d = {PTR(unique), PTR(offsets), PTR(order), PTR(inverse)};
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_grad_reduce(PTR(grad), dim, count, &d, num_unique, padding_slot, scale, PTR(workspace),
+                             (size_t)workspace_bytes, PTR(values), PTR(indices), device, PTR(stream));
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_cuda_sparse_adam(PyObject *mod, PyObject *args)
+{
+    (void)mod;
+    unsigned long long w, m, v, indices, values, stream;
+    long long dim, nnz, step;
+    he_adam_params hp;
+    int maximize, device;
+    if (!PyArg_ParseTuple(args, "KKKLKKLddddLpiK", &w, &m, &v, &dim, &indices, &values, &nnz, &hp.lr, &hp.beta1,
+                          &hp.beta2, &hp.eps, &step, &maximize, &device, &stream))
+        return NULL;
+    hp.step = step;
+    hp.maximize = maximize;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_sparse_adam(PTR(w), PTR(m), PTR(v), dim, PTR(indices), PTR(values), nnz, &hp, device, PTR(stream));
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+#endif /* HE_WITH_CUDA */
+
 static PyObject *py_set_num_threads(PyObject *mod, PyObject *arg)
 {
     (void)mod;
@@ -326,6 +551,24 @@ static PyMethodDef methods[] = {
      "sparse_adam(w, m, v, num_rows, dim, indices, values, nnz, lr, beta1, beta2, eps, step, maximize)"},
     {"set_num_threads", py_set_num_threads, METH_O, "set the core's worker thread count"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "the core's worker thread count"},
+#ifdef HE_WITH_CUDA
+    {"cuda_dedup_workspace", py_cuda_dedup_workspace, METH_VARARGS,
+     "cuda_dedup_workspace(count, num_rows, device) -> bytes of device scratch for cuda_dedup"},
+    {"cuda_dedup", py_cuda_dedup, METH_VARARGS,
+     "cuda_dedup(ids, count, is_int64, num_rows, padding_idx, workspace, workspace_bytes, unique, offsets, order, "
+     "inverse, device, stream) -> (num_unique, padding_slot); IndexError before any write for a bad id"},
+    {"cuda_gather", py_cuda_gather, METH_VARARGS,
+     "cuda_gather(table_device, dim, rows, count, out, device, stream): out[k] = table[rows[k]]"},
+    {"cuda_renorm", py_cuda_renorm, METH_VARARGS,
+     "cuda_renorm(table_device, dim, rows, count, max_norm, norm_type, device, stream): max_norm in place"},
+    {"cuda_grad_reduce_workspace", py_cuda_grad_reduce_workspace, METH_VARARGS,
+     "cuda_grad_reduce_workspace(count, num_unique, dim, device) -> bytes of device scratch"},
+    {"cuda_grad_reduce", py_cuda_grad_reduce, METH_VARARGS,
+     "cuda_grad_reduce(grad, dim, count, unique, offsets, order, inverse, num_unique, padding_slot, "
+     "scale_grad_by_freq, workspace, workspace_bytes, values, indices, device, stream)"},
+    {"cuda_sparse_adam", py_cuda_sparse_adam, METH_VARARGS,
+     "cuda_sparse_adam(w, m, v, dim, indices, values, nnz, lr, beta1, beta2, eps, step, maximize, device, stream)"},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -342,8 +585,15 @@ PyMODINIT_FUNC PyInit__C(void)
         return NULL;
     Py_INCREF(&HostBufferType);
     Py_INCREF(&DedupType);
+#ifdef HE_WITH_CUDA
+    PyObject *cuda_compiled = Py_True;
+#else
+    PyObject *cuda_compiled = Py_False;
+#endif
+    Py_INCREF(cuda_compiled);
     if (PyModule_AddObject(m, "HostBuffer", (PyObject *)&HostBufferType) < 0 ||
-        PyModule_AddObject(m, "Dedup", (PyObject *)&DedupType) < 0) {
+        PyModule_AddObject(m, "Dedup", (PyObject *)&DedupType) < 0 ||
+        PyModule_AddObject(m, "CUDA_COMPILED", cuda_compiled) < 0) {
         Py_DECREF(m);
         return NULL;
     }

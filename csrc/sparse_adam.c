@@ -10,23 +10,19 @@
 #include "simd.h"
 #include "thread_pool.h"
 
-typedef struct adam_consts {
-    float one_minus_beta1, one_minus_beta2, eps, neg_step_size, sign;
-} adam_consts;
-
 typedef struct adam_job {
     float *w, *m, *v;
     int64_t dim;
     const int64_t *indices;
     const float *values;
-    adam_consts c;
+    he_adam_consts c;
 } adam_job;
 
 /* One pass over the row: read w, m, v, g; write w, m, v (28 bytes per
  * element, the bound the benchmark reports against). */
 HE_SIMD_CLONES
 static void adam_row(float *restrict w, float *restrict m, float *restrict v, const float *restrict g_row,
-                     int64_t dim, adam_consts c)
+                     int64_t dim, he_adam_consts c)
 {
     for (int64_t j = 0; j < dim; j++) {
         float g = g_row[j] * c.sign;
@@ -59,19 +55,20 @@ static void adam_range(void *ctx, int64_t begin, int64_t end)
     }
 }
 
-static he_status update_rows(float *weight, float *exp_avg, float *exp_avg_sq, int64_t dim,
-                             const int64_t *indices, const float *values, int64_t nnz, const he_adam_params *hp)
+he_adam_consts he_adam_make_consts(const he_adam_params *hp)
 {
-    /* Scalars the way Python computes them, then rounded to float where
-     * torch multiplies a float tensor by a Python float. */
     double bias1 = 1.0 - pow(hp->beta1, (double)hp->step);
     double bias2 = 1.0 - pow(hp->beta2, (double)hp->step);
     double step_size = hp->lr * sqrt(bias2) / bias1;
-    adam_job job = {
-        weight, exp_avg, exp_avg_sq, dim, indices, values,
-        {(float)(1.0 - hp->beta1), (float)(1.0 - hp->beta2), (float)hp->eps, (float)(-step_size),
-         hp->maximize ? -1.0f : 1.0f},
-    };
+    he_adam_consts c = {(float)(1.0 - hp->beta1), (float)(1.0 - hp->beta2), (float)hp->eps, (float)(-step_size),
+                        hp->maximize ? -1.0f : 1.0f};
+    return c;
+}
+
+static he_status update_rows(float *weight, float *exp_avg, float *exp_avg_sq, int64_t dim,
+                             const int64_t *indices, const float *values, int64_t nnz, const he_adam_params *hp)
+{
+    adam_job job = {weight, exp_avg, exp_avg_sq, dim, indices, values, he_adam_make_consts(hp)};
     int64_t grain = dim > 0 ? 4096 / dim + 1 : nnz;
     return he_parallel_for(nnz, grain, adam_range, &job);
 }

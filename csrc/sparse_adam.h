@@ -29,6 +29,15 @@ typedef struct he_adam_params {
  *   u1 = (g - m) * (1-b1);   m' = m + u1
  *   u2 = (g*g - v) * (1-b2); v' = v + u2
  *   w' = w + (m' / (sqrt(v') + eps)) * -(lr * sqrt(1-b2^t) / (1-b1^t)) */
+/* The per-step scalars of the update, computed the way Python computes
+ * them and rounded to float where torch multiplies a float tensor by a
+ * Python float. Shared with the GPU kernel so both round alike. */
+typedef struct he_adam_consts {
+    float one_minus_beta1, one_minus_beta2, eps, neg_step_size, sign;
+} he_adam_consts;
+
+he_adam_consts he_adam_make_consts(const he_adam_params *hp);
+
 he_status he_sparse_adam(float *weight, float *exp_avg, float *exp_avg_sq, int64_t num_rows, int64_t dim,
                          const int64_t *indices, const float *values, int64_t nnz, const he_adam_params *hp);
 

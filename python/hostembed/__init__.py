@@ -5,6 +5,7 @@ host memory, with a threaded SIMD C core doing the lookups and the updates in
 place.
 """
 from . import _C
+from ._cuda import cuda_available, cuda_compiled
 from ._ids import IdDtypeError
 from .checkpoint import load, save
 from .embedding import Embedding
@@ -13,7 +14,7 @@ from .replace import replace_embeddings
 
 __version__ = "0.1.0"
 __all__ = ["Embedding", "SparseAdam", "IdDtypeError", "save", "load", "replace_embeddings", "set_num_threads",
-           "get_num_threads", "empty_cache"]
+           "get_num_threads", "empty_cache", "cuda_available", "cuda_compiled"]
 
 
 def set_num_threads(n: int) -> None:

@@ -14,10 +14,15 @@ class IdDtypeError(TypeError, RuntimeError):
 
 def prepare_ids(ids) -> torch.Tensor:
     """The ids as a contiguous CPU int64/int32 tensor, or a clear error."""
+    check_ids(ids)
+    return ids.to("cpu").contiguous()
+
+
+def check_ids(ids) -> None:
+    """A clear error unless ids is an int64/int32 tensor (on any device)."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"hostembed.Embedding: ids must be a torch.Tensor, got {type(ids).__name__}")
     if ids.dtype not in ID_DTYPES:
         raise IdDtypeError(
             f"hostembed.Embedding: ids must have dtype torch.int64 or torch.int32, got {ids.dtype}"
         )
-    return ids.to("cpu").contiguous()

@@ -5,7 +5,8 @@ import warnings
 import torch
 from torch import nn
 
-from . import _C
+from . import _C, _gpu
+from ._cuda import require_cuda, unavailable_reason, wait_for_gpu_use
 from ._files import FileRows, open_table
 from ._host_memory import host_scratch, host_zeros, register_table
 from ._ids import prepare_ids
@@ -62,6 +63,9 @@ class Embedding(nn.Module):
       whole table per step (``sparse=False`` works, and warns).
     * ``device`` says where outputs land; the table always stays in host
       memory, and ``.to()`` / ``.cuda()`` / ``.cpu()`` only move the outputs.
+      With outputs on a GPU (and the extension built with CUDA), lookups run
+      on the GPU: ids may be on the CPU or the GPU, rows are read straight
+      from the pinned table, and gradients are reduced on the GPU.
     * The table is always float32; ``dtype`` other than float32 is refused and
       ``.half()``-style casts of a model leave it float32.
     * ``scale_grad_by_freq`` works with sparse gradients too.
@@ -108,6 +112,8 @@ class Embedding(nn.Module):
         self.scale_grad_by_freq = scale_grad_by_freq
         self.sparse = sparse
         self._output_device = torch.device("cpu") if device is None else torch.device(device)
+        if self._output_device.type == "cuda":
+            require_cuda(f"hostembed.Embedding(device={str(self._output_device)!r})")
 
         table = host_zeros(num_embeddings, embedding_dim, first_touch=True)
         self.weight = nn.Parameter(table, requires_grad=not _freeze)
@@ -133,7 +139,13 @@ class Embedding(nn.Module):
         return self._output_device
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self._output_device.type == "cuda":
+            out = _gpu.lookup(self, input)
+            if out is not None:
+                return out
         ids = prepare_ids(input)
+        # A GPU lookup's max_norm may still be writing rows this reads.
+        wait_for_gpu_use(self.weight)
         if self.max_norm is not None:
             with torch.no_grad():
                 _C.renorm(self.weight.data_ptr(), self.num_embeddings, self.embedding_dim, ids.data_ptr(),
@@ -145,7 +157,21 @@ class Embedding(nn.Module):
         # .to()/.cuda()/.cpu()/.half() arrive here as fn over every tensor.
         # Moving a 50 GB table to the GPU is exactly what this module exists
         # to avoid: see where fn would send a tensor and send outputs there.
-        self._output_device = fn(torch.empty(0)).device
+        # The probe starts where outputs go now, so that a dtype-only cast
+        # (model.cuda().half()) keeps them there.
+        try:
+            device = fn(torch.empty(0, device=self._output_device)).device
+        except (AssertionError, RuntimeError) as exc:
+            # Only a move to a device torch cannot use fails on an empty
+            # tensor: say why in hostembed's words.
+            reason = unavailable_reason()
+            if reason is None:
+                raise
+            raise RuntimeError(f"hostembed: moving hostembed.Embedding outputs to the GPU needs the GPU path, "
+                               f"but {reason}") from exc
+        if device.type == "cuda":
+            require_cuda(f"hostembed.Embedding outputs on {device}")
+        self._output_device = device
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -157,6 +183,7 @@ class Embedding(nn.Module):
         # code then does the bookkeeping (missing/unexpected keys, shape
         # errors, hooks) against a source that is the table itself, which
         # copy_ skips.
+        wait_for_gpu_use(self.weight)  # no kernel may still read the rows about to change
         key = prefix + "weight"
         source = state_dict.get(key)
         if isinstance(source, torch.Tensor) and source.shape == self.weight.shape and source.is_floating_point() \
