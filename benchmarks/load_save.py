@@ -48,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--keep", action="store_true", help="keep the files")
     p.add_argument("--no-cold", action="store_true", help="skip the cold page cache runs")
     p.add_argument("--no-save", action="store_true", help="skip the save measurements (they need 3x the table in RAM)")
-    p.add_argument("--repeats", type=int, default=3, help="save: timed rounds (median reported)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds of every case (medians reported)")
     p.add_argument("--out", default=os.path.join(RESULTS_DIR, "load_save.json"))
     p.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
     p.add_argument("--path", help=argparse.SUPPRESS)
@@ -232,24 +232,32 @@ def main():
                  ("hostembed .safetensors fp16", "safetensors16")]
         if "checkpoint" in paths:
             cases.append(("hostembed.load", "checkpoint"))
-        for cache in ["warm"] + ([] if args.no_cold else ["cold"]):
-            for case, fmt in cases:
-                path = paths[fmt]
-                log(f"{cache}: {case} ({os.path.basename(path)})")
-                # Only this case's file may be cached (warm) or none (cold):
-                # every case then finds the same free memory, instead of
-                # paying to reclaim the page cache the earlier files left.
-                for other in paths.values():
-                    if other != path or cache == "cold":
-                        evict(other)
-                # Reading the same file in the same cache state is this case's ceiling.
-                read = child(args, case="read", path=path, rows=rows, dim=args.dim)
-                if cache == "cold":
-                    evict(path)
-                result = child(args, case=case, path=path, rows=rows, dim=args.dim)
-                report["load"].append({"case": case, "file": os.path.basename(path), "cache": cache,
-                                       "file_bytes": os.path.getsize(path), "read_seconds": read["seconds"],
-                                       "read_baseline_bytes": read["baseline_bytes"], **result})
+        runs = {}
+        for _ in range(args.repeats):  # rounds over all cases: drift on this shared machine hits all alike
+            for cache in ["warm"] + ([] if args.no_cold else ["cold"]):
+                for case, fmt in cases:
+                    path = paths[fmt]
+                    log(f"{cache}: {case} ({os.path.basename(path)})")
+                    # Only this case's file may be cached (warm) or none (cold):
+                    # every case then finds the same free memory, instead of
+                    # paying to reclaim the page cache the earlier files left.
+                    for other in paths.values():
+                        if other != path or cache == "cold":
+                            evict(other)
+                    # Reading the same file in the same cache state is this case's ceiling.
+                    read = child(args, case="read", path=path, rows=rows, dim=args.dim)
+                    if cache == "cold":
+                        evict(path)
+                    result = child(args, case=case, path=path, rows=rows, dim=args.dim)
+                    runs.setdefault((case, fmt, cache), []).append(
+                        {"read_seconds": read["seconds"], "read_baseline_bytes": read["baseline_bytes"], **result})
+        for (case, fmt, cache), results in runs.items():
+            middle = sorted(results, key=lambda r: r["seconds"])[len(results) // 2]  # the median run
+            report["load"].append({"case": case, "file": os.path.basename(paths[fmt]), "cache": cache,
+                                   "file_bytes": os.path.getsize(paths[fmt]), **middle,
+                                   "read_seconds": statistics.median(r["read_seconds"] for r in results),
+                                   "all_seconds": [r["seconds"] for r in results],
+                                   "peak_bytes": max(r["peak_bytes"] for r in results)})
         for other in paths.values():
             evict(other)
         report["allocate_seconds"] = child(args, case="allocate", path="-", rows=rows, dim=args.dim)["seconds"]
@@ -268,6 +276,7 @@ def print_report(report):
     baseline = [r["read_baseline_bytes"] for r in report["load"]]
     if baseline:
         print(f"Baseline RSS after `import torch, hostembed` (not counted below): {min(baseline) / 2**20:.0f} MiB\n")
+    print(f"Medians of {len(report['load'][0]['all_seconds'])} runs; peak RSS is the highest.\n")
     print("| load | file | cache | wall s | read file s | x read | peak RSS / bytes loaded |")
     print("|---|---|---|---:|---:|---:|---:|")
     for r in report["load"]:
