@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import hostembed
-from hostembed import _cuda
+from hostembed import _cuda, _host_memory
 from conftest import zipf_ids
 
 pytestmark = [
@@ -138,8 +138,10 @@ def test_current_device_left_as_it_was():
         opt.step()
         assert torch.cuda.current_device() == 0
         torch.cuda.set_device(1)
+        registered = len(_host_memory._registered)
         del emb, opt
         gc.collect()
+        assert len(_host_memory._registered) < registered, "the table was not freed: nothing was tested"
         assert torch.cuda.current_device() == 1
     finally:
         torch.cuda.set_device(0)
