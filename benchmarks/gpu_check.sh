@@ -63,10 +63,15 @@ elif run build_inplace 240 $PY setup.py build_ext --inplace; then
     export PYTHONPATH=python
 elif run build_without_pyproject 240 bash -c "$BUILD_WITHOUT_PYPROJECT" "$PY"; then
     export PYTHONPATH=python
+elif run build_warnings_allowed 240 env HOSTEMBED_WERROR=0 bash -c "$BUILD_WITHOUT_PYPROJECT" "$PY"; then
+    # Only warnings (this box's compilers may warn where CI's do not):
+    # test anyway, and fail the run at the end (see build_without_pyproject.log).
+    export PYTHONPATH=python
+    STAGES+=("warnings|FAILED: the build needs HOSTEMBED_WERROR=0 here|0")
 else
     BUILT=0
 fi
-(( BUILT )) && FAILED=0
+(( BUILT )) && ! grep -q "^warnings|" <(printf '%s\n' "${STAGES[@]}") && FAILED=0
 # Everything below would test some other hostembed (an older install) if
 # this tree's build failed.
 if (( BUILT )); then
