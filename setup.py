@@ -131,6 +131,12 @@ class BuildExt(build_ext):
                          "set HOSTEMBED_CUDA=0 to build the CPU-only extension")
             ext.extra_objects = list(ext.extra_objects or []) + objects
             ext.library_dirs = list(ext.library_dirs or []) + [lib_dir]
+            # setuptools relinks only when a source or a dependency is newer
+            # than the built extension: without this, a change to a .cu file
+            # alone (the C sources untouched) would be compiled and then left
+            # out, leaving the old kernels in the .so (pip's in-tree builds and
+            # build_ext --inplace both keep build/ between runs).
+            ext.depends = list(ext.depends or []) + objects
         super().build_extension(ext)
 
 
@@ -166,6 +172,8 @@ def _extension():
     ext = Extension(
         "hostembed._C",
         sources=sorted(glob.glob("csrc/*.c")),
+        # Headers too: a change to one rebuilds the extension.
+        depends=sorted(glob.glob("csrc/*.h") + glob.glob("cuda/*.h") + glob.glob("cuda/*.cuh")),
         include_dirs=["csrc", "cuda"],
         define_macros=define_macros,
         extra_compile_args=CFLAGS,

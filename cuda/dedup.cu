@@ -78,8 +78,9 @@ extern "C" he_status he_cuda_dedup_workspace(int64_t count, int64_t num_rows, in
     if (st != HE_OK || count == 0)
         return st;
     st = he_check_table_shape(num_rows, 0);
+    he_cuda_device_scope scope;
     if (st == HE_OK)
-        st = he_cuda_begin(device);
+        st = scope.enter(device);
     if (st != HE_OK)
         return st;
     dedup_layout l;
@@ -148,7 +149,8 @@ extern "C" he_status he_cuda_dedup(const void *ids, int64_t count, int is_int64,
         st = he_check_table_shape(num_rows, 0);
     if (st != HE_OK || count == 0)
         return st;
-    st = he_cuda_begin(device);
+    he_cuda_device_scope scope;
+    st = scope.enter(device);
     if (st != HE_OK)
         return st;
     dedup_layout l;
@@ -185,7 +187,9 @@ extern "C" he_status he_cuda_dedup(const void *ids, int64_t count, int is_int64,
     mark_heads<<<blocks, HE_CUDA_THREADS, 0, stream>>>(keys_out, count, heads);
     HE_CUDA_LAUNCHED(mark_heads);
     temp_bytes = l.temp_bytes;
-    HE_CUDA_TRY(cub::DeviceScan::InclusiveSum(temp, temp_bytes, heads, segments, n, stream));
+    /* The same argument types as plan()'s size query: the same template
+     * instance, so the same temporary storage layout. */
+    HE_CUDA_TRY(cub::DeviceScan::InclusiveSum(temp, temp_bytes, (const int32_t *)heads, segments, n, stream));
     scatter_unique<<<blocks, HE_CUDA_THREADS, 0, stream>>>(keys_out, out->order, heads, segments, count,
                                                            padding_idx, out->unique, out->offsets, out->inverse,
                                                            readback);

@@ -46,7 +46,8 @@ extern "C" he_status he_cuda_gather(const float *table, int64_t dim, const int64
                        (long long)count);
     if (dim == 0 || count == 0)
         return HE_OK;
-    he_status st = he_cuda_begin(device);
+    he_cuda_device_scope scope;
+    he_status st = scope.enter(device);
     if (st != HE_OK)
         return st;
     cudaStream_t stream = (cudaStream_t)stream_handle;

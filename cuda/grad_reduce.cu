@@ -64,7 +64,8 @@ extern "C" he_status he_cuda_grad_reduce_workspace(int64_t count, int64_t num_un
     he_status st = check_sizes(count, num_unique, dim);
     if (st != HE_OK || count == 0)
         return st;
-    st = he_cuda_begin(device);
+    he_cuda_device_scope scope;
+    st = scope.enter(device);
     if (st != HE_OK)
         return st;
     reduce_layout l;
@@ -200,7 +201,8 @@ extern "C" he_status he_cuda_grad_reduce(const float *grad, int64_t dim, int64_t
     if (padding_slot < -1 || padding_slot >= num_unique)
         return he_fail(HE_ERR_VALUE, "padding_slot must be -1 or in [0, %lld), got %lld", (long long)num_unique,
                        (long long)padding_slot);
-    st = he_cuda_begin(device);
+    he_cuda_device_scope scope;
+    st = scope.enter(device);
     if (st != HE_OK)
         return st;
     reduce_layout l;
@@ -219,7 +221,9 @@ extern "C" he_status he_cuda_grad_reduce(const float *grad, int64_t dim, int64_t
     count_parts<<<he_cuda_blocks(num_unique, HE_CUDA_THREADS), HE_CUDA_THREADS, 0, stream>>>(d->offsets, num_unique,
                                                                                            parts);
     HE_CUDA_LAUNCHED(count_parts);
-    HE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(ws + l.temp, temp_bytes, parts, part_base, (int)num_unique, stream));
+    /* The same argument types as plan()'s size query (one template instance). */
+    HE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(ws + l.temp, temp_bytes, (const int32_t *)parts, part_base,
+                                              (int)num_unique, stream));
     if (dim % 4 == 0 && he_cuda_aligned16(grad) && he_cuda_aligned16(out_values) && he_cuda_aligned16(partials))
         return launch<float4>(grad, dim / 4, d, parts, part_base, partials, l.max_parts, num_unique, padding_slot,
                               scale_grad_by_freq, out_values, out_indices, stream);

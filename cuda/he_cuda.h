@@ -3,7 +3,8 @@
  * Plain C (no cuda_runtime.h), so csrc/module.c includes it without the CUDA
  * headers. Streams travel as void * (torch's current_stream().cuda_stream,
  * an int in Python); `device` is the CUDA device index the work belongs to,
- * made current before any call. Every function checks every CUDA call and
+ * made current for the call (the caller's current device is restored before
+ * it returns). Every function checks every CUDA call and
  * returns a he_status with a message naming the call and CUDA's error.
  *
  * Memory the caller passes:
@@ -39,9 +40,11 @@ extern "C" {
  * whole table from one base. */
 he_status he_cuda_register(void *ptr, size_t bytes, int device, void **device_ptr);
 
-/* Undoes he_cuda_register. Waits for the device first: a kernel may still be
- * reading the rows. Errors are ignored: this runs from deallocators, also at
- * interpreter exit when the CUDA runtime may already be torn down. */
+/* Undoes he_cuda_register. Waits first for every device the GPU path has
+ * run on (a kernel there may still be reading the rows), leaving the
+ * caller's current device as it was. Errors are ignored: this runs from
+ * deallocators, also at interpreter exit when the CUDA runtime may already
+ * be torn down. */
 void he_cuda_unregister(void *ptr, size_t bytes, int device);
 
 /* ---- dedup.cu */

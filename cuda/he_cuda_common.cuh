@@ -30,15 +30,55 @@ static inline he_status he_cuda_fail(cudaError_t err, const char *what, const ch
 /* After every <<<>>>: a bad launch configuration is reported only here. */
 #define HE_CUDA_LAUNCHED(kernel) HE_CUDA_TRY_AS(cudaGetLastError(), "launch of " #kernel)
 
-/* Makes `device` current for this thread and drops a stale error left by an
- * earlier failure on this thread, so that HE_CUDA_LAUNCHED blames only the
- * launch it follows. */
-static inline he_status he_cuda_begin(int device)
+/* Devices this process has made current for its work (bit d: device d; bit
+ * 63 stands for every device from 63 on): he_cuda_unregister waits for all
+ * of them, since a table registered from one device may be read by kernels
+ * on another. Defined in host_register.cu. */
+extern unsigned long long he_cuda_devices_used;
+
+static inline unsigned long long he_cuda_device_bit(int device)
 {
-    (void)cudaGetLastError();
-    HE_CUDA_TRY(cudaSetDevice(device));
-    return HE_OK;
+    return 1ull << (device < 63 ? device : 63);
 }
+
+/* Makes `device` current for the rest of the enclosing scope, then gives
+ * the calling thread its previous device back. The current device is
+ * per-thread state shared with torch (both runtimes follow the driver's
+ * current context), so a call that switched devices and left them switched
+ * would send this thread's later torch work to another GPU. Nothing is
+ * switched (or restored) when `device` is already current, the case of
+ * every call from the Python layer, which runs inside torch.cuda.device().
+ * Also drops a stale error left by an earlier failure on this thread, so
+ * that HE_CUDA_LAUNCHED blames only the launch it follows. */
+class he_cuda_device_scope {
+  public:
+    he_cuda_device_scope() = default;
+    he_cuda_device_scope(const he_cuda_device_scope &) = delete;
+    he_cuda_device_scope &operator=(const he_cuda_device_scope &) = delete;
+    ~he_cuda_device_scope()
+    {
+        if (switched_)
+            (void)cudaSetDevice(previous_);
+    }
+
+    he_status enter(int device)
+    {
+        (void)cudaGetLastError();
+        int current = -1;
+        HE_CUDA_TRY_AS(cudaGetDevice(&current), "cudaGetDevice");
+        if (current != device) {
+            HE_CUDA_TRY_AS(cudaSetDevice(device), "cudaSetDevice");
+            previous_ = current;
+            switched_ = true;
+        }
+        __atomic_fetch_or(&he_cuda_devices_used, he_cuda_device_bit(device), __ATOMIC_RELAXED);
+        return HE_OK;
+    }
+
+  private:
+    int previous_ = -1;
+    bool switched_ = false;
+};
 
 #define HE_CUDA_THREADS 256
 #define HE_CUDA_WARP 32

@@ -7,6 +7,8 @@
  * CUDA context of the process, not only the current device's. */
 #include "he_cuda_common.cuh"
 
+unsigned long long he_cuda_devices_used = 0;
+
 static void unregister_prefix(char *base, size_t done)
 {
     for (size_t off = 0; off < done; off += HE_CUDA_REGISTER_CHUNK)
@@ -19,7 +21,8 @@ extern "C" he_status he_cuda_register(void *ptr, size_t bytes, int device, void 
     *device_ptr = NULL;
     if (ptr == NULL || bytes == 0)
         return he_fail(HE_ERR_VALUE, "cannot register an empty host buffer (%zu bytes at %p)", bytes, ptr);
-    he_status st = he_cuda_begin(device);
+    he_cuda_device_scope scope;
+    he_status st = scope.enter(device);
     if (st != HE_OK)
         return st;
 
@@ -65,10 +68,22 @@ extern "C" void he_cuda_unregister(void *ptr, size_t bytes, int device)
 {
     if (ptr == NULL || bytes == 0)
         return;
-    (void)cudaSetDevice(device);
-    /* A kernel queued on any stream may still be reading these rows; the
-     * buffer is about to be unmapped. Freeing a table or optimizer state is
-     * rare, so a device-wide wait here costs nothing on the hot path. */
-    (void)cudaDeviceSynchronize();
+    /* A kernel queued on any stream of any device we launched on (the
+     * registering device need not be the one whose kernels read the rows)
+     * may still be reading these rows; the buffer is about to be unmapped.
+     * Freeing a table or optimizer state is rare, so device-wide waits here
+     * cost nothing on the hot path. The caller's current device is restored
+     * after each: this runs from a deallocator, anywhere in torch code. */
+    unsigned long long used = __atomic_load_n(&he_cuda_devices_used, __ATOMIC_RELAXED) | he_cuda_device_bit(device);
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess)
+        count = 0;
+    for (int d = 0; d < count; d++) {
+        if (!(used & he_cuda_device_bit(d)))
+            continue;
+        he_cuda_device_scope scope;
+        if (scope.enter(d) == HE_OK)
+            (void)cudaDeviceSynchronize();
+    }
     unregister_prefix((char *)ptr, bytes);
 }

@@ -66,7 +66,8 @@ extern "C" he_status he_cuda_renorm(float *table, int64_t dim, const int64_t *ro
                        (long long)count);
     if (count == 0)
         return HE_OK;
-    he_status st = he_cuda_begin(device);
+    he_cuda_device_scope scope;
+    he_status st = scope.enter(device);
     if (st != HE_OK)
         return st;
     norm_kind kind = norm_type == 2.0 ? NORM_2

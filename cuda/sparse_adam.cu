@@ -63,7 +63,8 @@ extern "C" he_status he_cuda_sparse_adam(float *weight, float *exp_avg, float *e
         return he_fail(HE_ERR_VALUE, "step must be >= 1, got %lld", (long long)hp->step);
     if (dim == 0 || nnz == 0)
         return HE_OK;
-    he_status st = he_cuda_begin(device);
+    he_cuda_device_scope scope;
+    he_status st = scope.enter(device);
     if (st != HE_OK)
         return st;
     he_adam_consts c = he_adam_make_consts(hp);

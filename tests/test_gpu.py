@@ -3,12 +3,14 @@
 Skipped with the reason where the GPU path cannot run (no CUDA compiled in,
 or no GPU visible). Run only these with `pytest -m gpu`.
 """
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import hostembed
-from hostembed import _cuda
+from hostembed import _cuda, _host_memory
 from conftest import zipf_ids
 
 pytestmark = [
@@ -89,6 +91,60 @@ def test_forward_non_contiguous_gpu_ids():
     ids = torch.randint(0, 40, (6, 9), device="cuda").t()
     assert not ids.is_contiguous()
     assert torch.equal(ours(ids), F.embedding(ids, ref.weight))
+
+
+@pytest.mark.parametrize("ids_device", ID_DEVICES)
+@pytest.mark.parametrize("view", [lambda t: t[::2], lambda t: t[:1].expand(9), lambda t: t.view(3, 4)[:, 1]],
+                         ids=["strided", "expanded", "column"])
+def test_strided_1d_ids_forward_and_backward(view, ids_device):
+    # reshape(-1) leaves these 1-D views as they are (strided, or stride 0):
+    # the kernels must get packed ids all the same.
+    ref, ours = gpu_pair(40, 8)
+    ids = view(torch.randperm(40, device=ids_device)[:12])
+    assert not ids.is_contiguous()
+    out = ours(ids)
+    assert torch.equal(out, F.embedding(ids.cuda(), ref.weight))
+    grad_out = torch.randn(out.shape, device="cuda")
+    out.backward(grad_out)
+    assert_grad_within_rounding(ours.weight.grad, ids, grad_out, 40)
+
+
+def test_float64_default_dtype_keeps_float32_rows():
+    ref, ours = gpu_pair(30, 8)
+    ids = torch.randint(0, 30, (50,), device="cuda")
+    grad_out = torch.randn(50, 8, device="cuda")
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = ours(ids)
+        out.backward(grad_out)
+    finally:
+        torch.set_default_dtype(before)
+    assert out.dtype == torch.float32 and torch.equal(out, F.embedding(ids, ref.weight))
+    assert ours.weight.grad.dtype == torch.float32
+    assert_grad_within_rounding(ours.weight.grad, ids, grad_out, 30)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_current_device_left_as_it_was():
+    # The kernels' runtime shares the thread's current device with torch:
+    # work on cuda:1, and freeing a table registered from cuda:0, must not
+    # move later torch allocations to another GPU.
+    torch.cuda.set_device(0)
+    try:
+        emb = hostembed.Embedding(100, 8, device="cuda:1")
+        opt = hostembed.SparseAdam(emb.parameters())
+        emb(torch.tensor([1, 2, 2], device="cuda:1")).sum().backward()
+        opt.step()
+        assert torch.cuda.current_device() == 0
+        torch.cuda.set_device(1)
+        registered = len(_host_memory._registered)
+        del emb, opt
+        gc.collect()
+        assert len(_host_memory._registered) < registered, "the table was not freed: nothing was tested"
+        assert torch.cuda.current_device() == 1
+    finally:
+        torch.cuda.set_device(0)
 
 
 @pytest.mark.parametrize("ids_device", ID_DEVICES)

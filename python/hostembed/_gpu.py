@@ -117,7 +117,10 @@ def lookup(module, ids):
     num_rows, dim = weight.shape
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device)
-        flat = ids.to(device).reshape(-1)
+        # contiguous(): reshape(-1) is a view wherever it can be, and a 1-D
+        # view may be strided (ids[::2]) or expanded (stride 0); the kernels
+        # read count packed ids from data_ptr().
+        flat = ids.to(device).reshape(-1).contiguous()
         order_after_gpu_use(weight, stream)
         batch = _dedup(flat, num_rows, module.padding_idx, device, stream)
         if module.max_norm is not None:
@@ -135,7 +138,9 @@ class _GpuLookup(torch.autograd.Function):
     def forward(ctx, weight, table, ids_shape, batch, device, scale_grad_by_freq, sparse):
         num_rows, dim = weight.shape
         stream = torch.cuda.current_stream(device)
-        rows = torch.empty(batch.num_unique, dim, device=device)
+        # dtype spelled out: the kernels write float32 whatever
+        # torch.get_default_dtype() says.
+        rows = torch.empty(batch.num_unique, dim, dtype=torch.float32, device=device)
         _C.cuda_gather(table, dim, batch.unique.data_ptr(), batch.num_unique, rows.data_ptr(), device.index,
                        stream.cuda_stream)
         record_gpu_use(weight, stream)
@@ -150,12 +155,19 @@ class _GpuLookup(torch.autograd.Function):
         none = (None,) * 6
         if not ctx.needs_input_grad[0]:
             return (None,) + none
+        # The engine runs this on its thread for the gradient's device, but
+        # say so: the kernels and torch's allocations below must agree on it.
+        with torch.cuda.device(ctx.device):
+            return (_GpuLookup._grad_weight(ctx, grad_out),) + none
+
+    @staticmethod
+    def _grad_weight(ctx, grad_out):
         b, device = ctx.batch, ctx.device
         num_rows, dim = ctx.table_shape
         stream = torch.cuda.current_stream(device)
         kept = b.num_unique - (b.padding_slot >= 0)
         indices = torch.empty(kept, dtype=torch.int64, device=device)
-        values = torch.empty(kept, dim, device=device)
+        values = torch.empty(kept, dim, dtype=torch.float32, device=device)
         if b.count:
             grad = grad_out.to(device=device, dtype=torch.float32).contiguous().view(-1, dim)
             ws_bytes = _C.cuda_grad_reduce_workspace(b.count, b.num_unique, dim, device.index)
@@ -171,7 +183,7 @@ class _GpuLookup(torch.autograd.Function):
         # is never used. Its power-of-two rounding costs at most one extra
         # gradient's worth of pinned memory.
         indices_cpu = torch.empty(kept, dtype=torch.int64, pin_memory=True)
-        values_cpu = torch.empty(kept, dim, pin_memory=True)
+        values_cpu = torch.empty(kept, dim, dtype=torch.float32, pin_memory=True)
         if kept:
             indices_cpu.copy_(indices, non_blocking=True)
             values_cpu.copy_(values, non_blocking=True)
@@ -182,8 +194,7 @@ class _GpuLookup(torch.autograd.Function):
         if ctx.sparse:
             if weight is not None and weight in _twin_wanted:
                 _grad_twins[weight] = _GradTwin(indices, values, indices_cpu, values_cpu, num_rows)
-            grad_weight = row_sparse(indices_cpu, values_cpu, num_rows)
-        else:
-            grad_weight = torch.zeros(num_rows, dim, dtype=torch.float32)
-            grad_weight.index_copy_(0, indices_cpu, values_cpu)
-        return (grad_weight,) + none
+            return row_sparse(indices_cpu, values_cpu, num_rows)
+        grad_weight = torch.zeros(num_rows, dim, dtype=torch.float32)
+        grad_weight.index_copy_(0, indices_cpu, values_cpu)
+        return grad_weight
