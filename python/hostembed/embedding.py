@@ -174,6 +174,13 @@ class Embedding(nn.Module):
         self._output_device = device
         return self
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # state_dict() aliases the table, and torch.save reads it right
+        # away: a max_norm renorm kernel of the last GPU lookup may still be
+        # writing rows.
+        wait_for_gpu_use(self.weight)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         # Always copy into the host table (load_state_dict(assign=True)
