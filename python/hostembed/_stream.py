@@ -1,7 +1,8 @@
 """Moving a whole table in bounded chunks, so loading never holds it twice.
 
 Two routes into a host table:
-* read_rows: rows stored raw in a file (.npy, .safetensors) are read with
+* read_rows: rows stored raw in a file (.npy, .safetensors, a contiguous
+  tensor of a torch.save archive) are read with
   pread straight into the table (float32) or into a per-thread chunk buffer
   and converted by torch's copy (float16/bfloat16/float64). Nothing of the
   file is mapped, so the process's RSS grows by the table alone; the reads go
