@@ -153,11 +153,12 @@ def run_save(directory, rows, dim, repeats):
         log(f"  {name}: {seconds:.1f} s")
 
     def plain(path):
-        import ctypes
+        from hostembed._stream import _writable_bytes  # the bytes of a tensor, no copy
+
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             for t in tensors:
-                view = memoryview((ctypes.c_char * (t.numel() * 4)).from_address(t.data_ptr())).cast("B")
+                view = _writable_bytes(t)
                 for start in range(0, len(view), BUFFER):
                     os.write(fd, view[start:start + BUFFER])
             os.fsync(fd)

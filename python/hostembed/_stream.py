@@ -135,7 +135,7 @@ def read_rows(rows, dst, *, progress=None):
     row_bytes = dim * rows.dtype.itemsize
     step = _rows_per_chunk(row_bytes)
     direct = rows.dtype == torch.float32
-    table_bytes = None if not direct else _writable_bytes(dst)
+    table_bytes = _writable_bytes(dst) if direct else None
     local = threading.local()
     fd = os.open(rows.path, os.O_RDONLY)
     try:
