@@ -10,6 +10,15 @@ PATH, or under $CUDA_HOME / $CUDA_PATH). The CUDA runtime is linked
 statically, so the extension needs only a driver, never a libcudart of the
 version torch happens to ship; kernels run in the same primary context as
 torch's, on the streams torch hands over.
+
+Exports: the extension exports PyInit__C and nothing else. Whatever else it
+exports (a static libstdc++'s __cxa_* and GNU_UNIQUE symbols, cudart_static's,
+CUB's) is bound by torch's libraries loaded after it: `import hostembed;
+import torch` segfaulted that way on an H100 box. Three layers, so that no
+compiler or toolkit default brings it back: -fvisibility=hidden for the C and
+CUDA objects, a linker version script exporting PyInit__C only (EXPORTS_MAP),
+and --exclude-libs,ALL for the symbols of static archives.
+tests/test_exports.py checks the built extension.
 """
 import glob
 import os
@@ -36,6 +45,8 @@ CFLAGS = [
     # lets sqrtf vectorise; it only drops errno on sqrt of a negative, which
     # never happens here (v >= 0) and nothing reads.
     "-fno-math-errno",
+    # Export nothing by default; PyMODINIT_FUNC marks PyInit__C visible.
+    "-fvisibility=hidden",
 ]
 if WERROR:
     CFLAGS.append("-Werror")
@@ -51,16 +62,37 @@ NVCC_FLAGS = [
     "-O3",
     "-std=c++17",
     "-Xcompiler", "-fPIC",
+    "-Xcompiler", "-fvisibility=hidden",
     "-Xcompiler", "-Wall,-Wextra,-Wno-missing-field-initializers",
     # The kernels round every operation explicitly (__fadd_rn and friends);
     # this keeps any other float expression unfused too.
     "-fmad=false",
-    "-Icsrc",
+    # The kernels see the core only through include/ (never csrc/).
+    "-Iinclude",
     "-Icuda",
     *NVCC_ARCH,
 ]
 if WERROR:
     NVCC_FLAGS += ["-Werror", "all-warnings", "-Xcompiler", "-Werror"]
+
+# The linker version script (see "Exports" above); written into the build
+# temp dir, and rewritten only when its text changes, which relinks.
+EXPORTS_MAP = "{ global: PyInit__C; local: *; };\n"
+ELF = sys.platform.startswith("linux")
+
+
+def _write_exports_map(build_temp):
+    os.makedirs(build_temp, exist_ok=True)
+    path = os.path.join(build_temp, "exports.map")
+    try:
+        with open(path) as f:
+            if f.read() == EXPORTS_MAP:
+                return path
+    except OSError:
+        pass
+    with open(path, "w") as f:
+        f.write(EXPORTS_MAP)
+    return path
 
 
 def _cuda_mode():
@@ -104,6 +136,11 @@ class BuildExt(build_ext):
     CUB sort dominates) and links the objects into the one extension."""
 
     def build_extension(self, ext):
+        if ELF:
+            exports = _write_exports_map(self.build_temp)
+            ext.extra_link_args = list(ext.extra_link_args or []) + [
+                f"-Wl,--version-script={exports}", "-Wl,--exclude-libs,ALL"]
+            ext.depends = list(ext.depends or []) + [exports]
         cuda = getattr(ext, "_hostembed_cuda", None)
         if cuda:
             nvcc, lib_dir = cuda
@@ -171,10 +208,16 @@ def _extension():
 
     ext = Extension(
         "hostembed._C",
-        sources=sorted(glob.glob("csrc/*.c")),
+        # The C core (csrc/) and the CPython binding (binding/, the only code
+        # that includes Python.h).
+        sources=sorted(glob.glob("csrc/*.c") + glob.glob("binding/*.c")),
         # Headers too: a change to one rebuilds the extension.
-        depends=sorted(glob.glob("csrc/*.h") + glob.glob("cuda/*.h") + glob.glob("cuda/*.cuh")),
-        include_dirs=["csrc", "cuda"],
+        depends=sorted(glob.glob("include/*.h") + glob.glob("csrc/*.h") + glob.glob("binding/*.h")
+                       + glob.glob("cuda/*.h") + glob.glob("cuda/*.cuh")),
+        # One list for every C source: the binding needs all three; csrc/
+        # includes only include/ and itself (the sanitizer test compiles it
+        # with -Iinclude -Icsrc alone, which keeps it so).
+        include_dirs=["include", "csrc", "cuda"],
         define_macros=define_macros,
         extra_compile_args=CFLAGS,
         extra_link_args=["-pthread"],

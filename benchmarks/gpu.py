@@ -31,7 +31,7 @@ from _common import (GIB, RESULTS_DIR, ZipfIds, fail, fmt_ms, log, machine_info,
 
 hostembed = require_hostembed()
 from hostembed import _C  # noqa: E402  (after the build check above)
-from hostembed._host_memory import device_address, host_zeros  # noqa: E402
+from hostembed._table import HostTable  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -113,8 +113,10 @@ def ceilings(args):
 
 def gather_curve(args, h2d_bps):
     floats = (args.gather_table_mib << 20) // 4
-    table = host_zeros(1, floats)[0]  # registered when the GPU path can run
-    base = device_address(table)
+    device = torch.device("cuda", torch.cuda.current_device())
+    host = HostTable(1, floats, first_touch=True)
+    table = host.tensor[0]
+    base = host.device_address(table, device)  # pins and maps it
     if base is None:
         fail("the gather table could not be registered with CUDA (see the warning above)")
     # Distinct values (in chunks: one float64 arange of the whole table
@@ -123,7 +125,6 @@ def gather_curve(args, h2d_bps):
     for start in range(0, floats, chunk):
         end = min(start + chunk, floats)
         table[start:end] = torch.arange(start, end, dtype=torch.float64).remainder_(16_777_213).float()
-    device = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.current_stream(device)
     points = []
     for dim in args.dims:
@@ -135,7 +136,8 @@ def gather_curve(args, h2d_bps):
         out = torch.empty(args.gather_rows, dim, device=device)
 
         def gather():
-            _C.cuda_gather(base, dim, ids.data_ptr(), ids.numel(), out.data_ptr(), device.index, stream.cuda_stream)
+            _C.cuda_gather(table=base, dim=dim, rows=ids.data_ptr(), count=ids.numel(), out=out.data_ptr(),
+                           device=device.index, stream=stream.cuda_stream)
 
         gather()
         torch.cuda.synchronize()

@@ -4,13 +4,8 @@
 
 #include <stdint.h>
 
+#include "he_adam.h"
 #include "he_status.h"
-
-typedef struct he_adam_params {
-    double lr, beta1, beta2, eps;
-    int64_t step; /* after this step's increment, as torch counts: 1 on the first step */
-    int maximize;
-} he_adam_params;
 
 /* Updates rows indices[0..nnz) of weight, exp_avg and exp_avg_sq ([num_rows,
  * dim] each) with grad rows values[0..nnz): the indices and values of a
@@ -28,16 +23,8 @@ typedef struct he_adam_params {
  * the bit:
  *   u1 = (g - m) * (1-b1);   m' = m + u1
  *   u2 = (g*g - v) * (1-b2); v' = v + u2
- *   w' = w + (m' / (sqrt(v') + eps)) * -(lr * sqrt(1-b2^t) / (1-b1^t)) */
-/* The per-step scalars of the update, computed the way Python computes
- * them and rounded to float where torch multiplies a float tensor by a
- * Python float. Shared with the GPU kernel so both round alike. */
-typedef struct he_adam_consts {
-    float one_minus_beta1, one_minus_beta2, eps, neg_step_size, sign;
-} he_adam_consts;
-
-he_adam_consts he_adam_make_consts(const he_adam_params *hp);
-
+ *   w' = w + (m' / (sqrt(v') + eps)) * -(lr * sqrt(1-b2^t) / (1-b1^t))
+ * with the scalars of he_adam_make_consts (include/he_adam.h). */
 he_status he_sparse_adam(float *weight, float *exp_avg, float *exp_avg_sq, int64_t num_rows, int64_t dim,
                          const int64_t *indices, const float *values, int64_t nnz, const he_adam_params *hp);
 

@@ -1,11 +1,14 @@
 /* The GPU path's C API: extern "C" launchers over raw pointers.
  *
- * Plain C (no cuda_runtime.h), so csrc/module.c includes it without the CUDA
- * headers. Streams travel as void * (torch's current_stream().cuda_stream,
- * an int in Python); `device` is the CUDA device index the work belongs to,
- * made current for the call (the caller's current device is restored before
- * it returns). Every function checks every CUDA call and
- * returns a he_status with a message naming the call and CUDA's error.
+ * Plain C (no cuda_runtime.h), so binding/cuda_ops.c includes it without the
+ * CUDA headers. It and the kernels see the core only through include/ (the
+ * status codes, he_ids' checks, the Adam scalars), never csrc/.
+ *
+ * Streams travel as void * (torch's current_stream().cuda_stream, an int in
+ * Python); `device` is the CUDA device index the work belongs to, made
+ * current for the call (the caller's current device is restored before it
+ * returns). Every function checks every CUDA call and returns a he_status
+ * with a message naming the call and CUDA's error.
  *
  * Memory the caller passes:
  *   - "host rows" (table, exp_avg, exp_avg_sq): device addresses of host
@@ -23,10 +26,11 @@ extern "C" {
 #endif
 
 /* Inside the extern "C" block: the core is C, and the .cu files call its
- * he_fail and friends. */
+ * he_fail, he_fail_out_of_range, he_check_table_shape and
+ * he_adam_make_consts (implemented in csrc/, declared in include/). */
+#include "he_adam.h"
+#include "he_ids.h"
 #include "he_status.h"
-#include "ids.h"
-#include "sparse_adam.h"
 
 /* cudaHostRegister(Mapped | Portable) is refused above some size on some
  * drivers; chunks of at most this keep every call well inside the limit. */

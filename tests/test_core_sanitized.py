@@ -35,6 +35,9 @@ CFLAGS = [
     "-Wall",
     "-Wextra",
     "-Wno-missing-field-initializers",
+    # The core sees include/ (shared with the kernels) and its own csrc/,
+    # never cuda/ nor binding/.
+    f"-I{REPO / 'include'}",
     f"-I{CSRC}",
 ]
 

@@ -4,13 +4,14 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 import hostembed
-from hostembed import _C, _cuda, _host_memory
+from hostembed import _C, _cuda
 
 REPO = Path(__file__).resolve().parent.parent
 NO_GPU_PATH = pytest.mark.skipif(hostembed.cuda_available(), reason="the GPU path can run here")
@@ -79,26 +80,46 @@ def test_registration_without_a_driver_fails_cleanly():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="registration would succeed on this machine")
-def test_registration_failure_warns_and_falls_back_to_unpinned(monkeypatch):
-    # Make the table believe a GPU is there: registration is then refused
-    # (by the CUDA runtime for lack of a driver, or because CUDA is not
-    # compiled in), and the table must stay usable.
-    monkeypatch.setattr(_host_memory, "cuda_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+def test_registration_failure_warns_and_falls_back_to_unpinned():
+    # What a GPU lookup does first: pin the table. Here CUDA refuses (no
+    # driver, or no CUDA compiled in), and the table must stay usable.
+    emb = hostembed.Embedding(50, 8)
     with pytest.warns(RuntimeWarning, match=r"could not pin 1600 bytes of host memory for the GPU \(.*CUDA"):
-        emb = hostembed.Embedding(50, 8)
-    assert not emb.weight.is_pinned()
-    assert _host_memory.device_address(emb.weight) is None
+        assert emb._table.device_address(emb.weight, torch.device("cuda", 0)) is None
+    assert not emb.weight.is_pinned() and not emb._table.registered
+    # Refused once, not asked again (no warning per step).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert emb._table.device_address(emb.weight, torch.device("cuda", 0)) is None
     torch.manual_seed(0)
     ref = torch.nn.Embedding(50, 8)
     emb.weight.data.copy_(ref.weight.data)
     ids = torch.tensor([3, 49, 3])
     assert torch.equal(emb(ids), ref(ids))
+    assert emb._last_lookup_path == "cpu"
+
+
+def test_tables_are_not_pinned_until_a_gpu_lookup():
+    # A CPU-only user on a GPU box pays nothing: no pinning, no CUDA context.
+    # In a fresh process: other tests may have made a context in this one.
+    code = """
+import torch, hostembed
+emb = hostembed.Embedding(100, 8)
+opt = hostembed.SparseAdam(emb.parameters())
+emb(torch.tensor([1, 2, 3])).sum().backward()
+opt.step()
+assert not emb._table.registered and not emb.weight.is_pinned()
+assert not opt.state[emb.weight]["exp_avg"].is_pinned()
+assert not torch.cuda.is_initialized(), "a CPU-only table made a CUDA context"
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
 def test_update_mode_is_validated():
     emb = hostembed.Embedding(10, 2)
-    with pytest.raises(ValueError, match=r"update must be one of \('gpu', 'cpu'\), got 'fast'"):
+    with pytest.raises(ValueError, match=r"update must be one of \('auto', 'gpu', 'cpu'\), got 'fast'"):
         hostembed.SparseAdam(emb.parameters(), update="fast")
 
 

@@ -192,9 +192,11 @@ def test_weight_argument_is_copied():
     assert not emb.weight.requires_grad
 
 
-def test_repr_like_torch():
+def test_repr_has_torch_options_then_where_table_and_outputs_are():
+    options = "10, 3, padding_idx=1, max_norm=2.0, sparse=True"
+    assert repr(torch.nn.Embedding(10, 3, padding_idx=1, max_norm=2.0, sparse=True)) == f"Embedding({options})"
     assert repr(hostembed.Embedding(10, 3, padding_idx=1, max_norm=2.0)) == (
-        "Embedding(10, 3, padding_idx=1, max_norm=2.0, sparse=True)"
+        f"hostembed.Embedding({options}, table in host memory, outputs on cpu)"
     )
 
 

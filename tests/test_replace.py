@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import hostembed
-from hostembed._host_memory import is_host_table
+from hostembed._table import table_of
 
 
 class Tower(nn.Module):
@@ -32,7 +32,7 @@ def test_replaces_big_tables_with_same_options_and_weights():
     assert type(model.small) is nn.Embedding  # under min_rows
     for name, old in (("big", reference.big), ("inner.0", reference.inner[0])):
         new = model.get_submodule(name)
-        assert isinstance(new, hostembed.Embedding) and is_host_table(new.weight)
+        assert isinstance(new, hostembed.Embedding) and table_of(new.weight) is not None
         for option in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
                        "scale_grad_by_freq", "sparse"):
             assert getattr(new, option) == getattr(old, option), (name, option)
@@ -95,7 +95,7 @@ def test_meta_model_is_filled_from_a_checkpoint_without_a_second_copy(tmp_path):
     hostembed.replace_embeddings(model, min_rows=100, sparse=True)
     assert torch.count_nonzero(model.big.weight) == 0  # a zero table, not N(0, 1) draws
     model.to_empty(device="cpu")  # the rest of the model; host tables only note the device
-    assert is_host_table(model.big.weight)
+    assert table_of(model.big.weight) is not None
     hostembed.load(tmp_path / "c.pt", model)
     ids = torch.tensor([3, 4, 150])
     assert torch.equal(model(ids), trained(ids))

@@ -4,17 +4,18 @@ A drop-in for torch.nn.Embedding whose table and SparseAdam state live in
 host memory, with a threaded SIMD C core doing the lookups and the updates in
 place.
 """
-from . import _C
+from . import _ops
 from ._cuda import cuda_available, cuda_compiled
 from ._ids import IdDtypeError
 from .checkpoint import load, save
+from .clip import clip_grad_norm_
 from .embedding import Embedding
 from .optim import SparseAdam
 from .replace import replace_embeddings
 
 __version__ = "0.1.0"
 __all__ = ["Embedding", "SparseAdam", "IdDtypeError", "save", "load", "replace_embeddings", "set_num_threads",
-           "get_num_threads", "empty_cache", "cuda_available", "cuda_compiled"]
+           "get_num_threads", "empty_cache", "cuda_available", "cuda_compiled", "clip_grad_norm_"]
 
 
 def set_num_threads(n: int) -> None:
@@ -26,16 +27,16 @@ def set_num_threads(n: int) -> None:
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"set_num_threads expects an int, got {type(n).__name__}")
-    _C.set_num_threads(n)
+    _ops.set_num_threads(n)
 
 
 def get_num_threads() -> int:
     """The number of threads the core uses."""
-    return _C.get_num_threads()
+    return _ops.get_num_threads()
 
 
 def empty_cache() -> None:
     """Returns to the OS the per-step buffers (outputs, gradient values) the
     core keeps for reuse; like torch.cuda.empty_cache, only needed when
     memory is tight between phases of different batch sizes."""
-    _C.empty_cache()
+    _ops.empty_cache()

@@ -1,23 +1,16 @@
-"""Whether the GPU path can run, and the ordering of GPU work on host tables.
+"""Whether the GPU path can run here, and why not.
 
-Nothing here touches CUDA at import: torch.cuda is first asked when a table
-is created or a GPU lookup is made.
+Nothing here touches CUDA at import: torch.cuda is first asked when a module
+is given GPU outputs; a CUDA context is made by the first GPU lookup.
 """
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _C
-
-# Host table (weight Parameter) -> torch.cuda.Event recorded after the last
-# GPU work that reads or writes it. GPU work on another stream waits for it
-# on the device; CPU code that writes the table waits for it on the host
-# (a gather still in flight would otherwise read half-updated rows).
-_last_gpu_use = WeakIdKeyDictionary()
+from . import _ops
 
 
 def cuda_compiled() -> bool:
     """True when the extension was built with its CUDA kernels."""
-    return bool(getattr(_C, "CUDA_COMPILED", False))
+    return _ops.CUDA_COMPILED
 
 
 def cuda_available() -> bool:
@@ -49,26 +42,3 @@ def resolve_device(device: torch.device) -> torch.device:
     if device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def record_gpu_use(table: torch.Tensor, stream) -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record(stream)
-    _last_gpu_use[table] = event
-    return event
-
-
-def order_after_gpu_use(table: torch.Tensor, stream) -> None:
-    """Makes `stream` wait (on the device, the host does not block) for the
-    last GPU work on the table, which may have run on another stream."""
-    event = _last_gpu_use.get(table)
-    if event is not None:
-        stream.wait_event(event)
-
-
-def wait_for_gpu_use(table: torch.Tensor) -> None:
-    """Blocks the host until no GPU work on the table is in flight: call it
-    before the CPU writes the table."""
-    event = _last_gpu_use.pop(table, None)
-    if event is not None:
-        event.synchronize()

@@ -16,15 +16,17 @@ Two routes into a host table:
 """
 import ctypes
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from . import _C
+from . import _ops
 
 CHUNK_BYTES = 16 << 20
 PROGRESS_MIN_BYTES = 1 << 30
+LOG_PROGRESS_SECONDS = 5.0  # off a terminal, at most one progress line per this many seconds (and per 10%)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _MADV_DONTNEED = 4
 _MADV_PAGEOUT = 21  # Linux >= 5.4; older kernels answer EINVAL and the pages simply stay mapped
@@ -33,15 +35,60 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def progress_bar(total_bytes, progress, desc):
-    """A tqdm bar over bytes. progress=None shows it for big copies on a terminal."""
+    """A tqdm bar over bytes. progress=None shows it for big copies on a
+    terminal; progress=True off a terminal (a log file, a pipe) prints a few
+    plain lines instead: one at the start, then at most one per 10% and per
+    LOG_PROGRESS_SECONDS, and the final one."""
     from tqdm.auto import tqdm
 
     if progress is None:
         disable = None if total_bytes >= PROGRESS_MIN_BYTES else True  # None: tqdm hides it off a tty
     else:
         disable = not progress
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=disable,
-                leave=False)
+    options = dict(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=disable)
+    stream = sys.stderr
+    notebook = any(c.__module__ == "tqdm.notebook" for c in tqdm.__mro__)  # a widget: nothing to flood
+    if disable is False and stream is not None and not notebook and not _isatty(stream):
+        return tqdm(**options, file=_LogLines(stream), leave=True, ascii=True,
+                    bar_format="{desc}: {percentage:3.0f}% {n_fmt}B/{total_fmt}B [{elapsed}<{remaining}, {rate_fmt}]",
+                    miniters=max(1, total_bytes // 10), mininterval=LOG_PROGRESS_SECONDS,
+                    # no maximum: tqdm's monitor thread would otherwise drop
+                    # miniters to 1 after a 10 s pause, a line per chunk after.
+                    maxinterval=float("inf"))
+    return tqdm(**options, leave=False)
+
+
+def _isatty(stream):
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+class _LogLines:
+    """A file for tqdm that writes each refresh as a line of its own.
+
+    tqdm redraws its bar in place, '\r' + status + padding, and no option
+    makes a refresh end its line: in a log those updates pile up as one long
+    line of '\r's. This writes each status as a line instead and drops blank
+    writes (a close's bare '\n') and a status that repeats the previous one's
+    count (the close's final refresh after one at 100%): the part before the
+    last " [" of bar_format above, which holds only the time and the rate.
+    """
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.last = None
+
+    def write(self, text):
+        line = text.replace("\r", "").strip()
+        count = line.rsplit(" [", 1)[0]
+        if line and count != self.last:
+            self.last = count
+            self.stream.write(line + "\n")
+
+    def flush(self):
+        self.stream.flush()
 
 
 def _advise(address, nbytes, advice):
@@ -154,7 +201,7 @@ def read_rows(rows, dst, *, progress=None):
                 dst[start:stop].copy_(chunk)
             return (stop - start) * row_bytes
 
-        workers = max(1, min(4, _C.get_num_threads()))
+        workers = max(1, min(4, _ops.get_num_threads()))
         pool = ThreadPoolExecutor(workers, thread_name_prefix="hostembed-read")
         try:
             with progress_bar(rows.nbytes, progress, f"loading {os.path.basename(rows.path)}") as bar, \

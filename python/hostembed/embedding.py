@@ -1,59 +1,23 @@
 """hostembed.Embedding: torch.nn.Embedding with the table in host memory."""
+import copy
 import os
 import warnings
 
 import torch
 from torch import nn
 
-from . import _C, _gpu
-from ._cuda import require_cuda, unavailable_reason, wait_for_gpu_use
+from . import _lookup_cpu, _lookup_gpu
+from ._cuda import require_cuda, resolve_device, unavailable_reason
 from ._files import FileRows, open_table
-from ._host_memory import host_scratch, host_zeros, register_table
-from ._ids import prepare_ids
-from ._sparse import reduce_rows, row_sparse
 from ._stream import copy_rows, read_rows
+from ._table import HostTable
 
 # _weight value that leaves a new table zeroed instead of drawing N(0, 1):
 # for tables about to be filled from a file or another module.
 _UNINITIALISED = object()
 
 
-class _Lookup(torch.autograd.Function):
-    """out = weight[ids] by the core; backward reduces rows per unique id."""
-
-    @staticmethod
-    def forward(ctx, weight, ids, padding_idx, scale_grad_by_freq, sparse, out_device):
-        num_rows, dim = weight.shape
-        out = host_scratch(*ids.shape, dim)
-        _C.gather(
-            weight.data_ptr(), num_rows, dim, ids.data_ptr(), ids.numel(), ids.dtype == torch.int64, out.data_ptr()
-        )
-        ctx.save_for_backward(ids)
-        ctx.table_shape = (num_rows, dim)
-        ctx.padding_idx = padding_idx
-        ctx.scale_grad_by_freq = scale_grad_by_freq
-        ctx.sparse = sparse
-        if out_device.type != "cpu":
-            out = out.to(out_device)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None
-        (ids,) = ctx.saved_tensors
-        num_rows, dim = ctx.table_shape
-        rows = grad_out.to(device="cpu", dtype=torch.float32).contiguous().view(-1, dim)
-        indices, values = reduce_rows(ids.view(-1), rows, num_rows, ctx.padding_idx, ctx.scale_grad_by_freq)
-        if ctx.sparse:
-            grad = row_sparse(indices, values, num_rows)
-        else:
-            grad = torch.zeros(num_rows, dim, dtype=torch.float32)
-            grad.index_copy_(0, indices, values)
-        return grad, None, None, None, None, None
-
-
-class Embedding(nn.Module):
+class Embedding(nn.Embedding):
     r"""A drop-in for :class:`torch.nn.Embedding` whose table lives in host memory.
 
     Same signature and semantics as ``torch.nn.Embedding``, with these
@@ -70,16 +34,19 @@ class Embedding(nn.Module):
       ``.half()``-style casts of a model leave it float32.
     * ``scale_grad_by_freq`` works with sparse gradients too.
 
+    It is a subclass of ``torch.nn.Embedding``, so code that recognises
+    embedding modules (DistributedDataParallel's sparse-gradient handling,
+    weight-decay exclusions, ``isinstance`` checks) treats it as one; every
+    method that touches the table is its own.
+
     Train it with :class:`hostembed.SparseAdam`, which updates the table and
     its state in place in the C core.
     """
 
-    __constants__ = ["num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
-                     "scale_grad_by_freq", "sparse"]
-
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, max_norm=None, norm_type=2.0,
                  scale_grad_by_freq=False, sparse=True, _weight=None, _freeze=False, device=None, dtype=None):
-        super().__init__()
+        # nn.Module's, not nn.Embedding's: that one would allocate a table.
+        nn.Module.__init__(self)
         if dtype is not None and dtype != torch.float32:
             raise TypeError(f"hostembed.Embedding keeps float32 tables; dtype={dtype} is not supported")
         if num_embeddings < 0 or embedding_dim < 0:
@@ -115,23 +82,16 @@ class Embedding(nn.Module):
         if self._output_device.type == "cuda":
             require_cuda(f"hostembed.Embedding(device={str(self._output_device)!r})")
 
-        table = host_zeros(num_embeddings, embedding_dim, first_touch=True)
-        self.weight = nn.Parameter(table, requires_grad=not _freeze)
-        register_table(self.weight)
+        self._table = HostTable(num_embeddings, embedding_dim, first_touch=True)
+        self.weight = nn.Parameter(self._table.tensor, requires_grad=not _freeze)
+        self._table.bind(self.weight)
+        # "gpu" or "cpu": which path the last forward took (tests assert the
+        # GPU kernels ran, not the CPU fallback).
+        self._last_lookup_path = None
         if _weight is None:
-            self.reset_parameters()
+            self.reset_parameters()  # nn.Embedding's: the same draws as torch for the same seed
         elif _weight is not _UNINITIALISED:
             copy_rows(self.weight.data, _weight)
-
-    def reset_parameters(self) -> None:
-        # Same draws as nn.Embedding: torch.manual_seed(s) gives both the same table.
-        nn.init.normal_(self.weight)
-        self._fill_padding_idx_with_zero()
-
-    def _fill_padding_idx_with_zero(self) -> None:
-        if self.padding_idx is not None:
-            with torch.no_grad():
-                self.weight[self.padding_idx].fill_(0)
 
     @property
     def output_device(self) -> torch.device:
@@ -139,19 +99,77 @@ class Embedding(nn.Module):
         return self._output_device
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self._output_device.type == "cuda":
-            out = _gpu.lookup(self, input)
-            if out is not None:
-                return out
-        ids = prepare_ids(input)
-        # A GPU lookup's max_norm may still be writing rows this reads.
-        wait_for_gpu_use(self.weight)
-        if self.max_norm is not None:
-            with torch.no_grad():
-                _C.renorm(self.weight.data_ptr(), self.num_embeddings, self.embedding_dim, ids.data_ptr(),
-                          ids.numel(), ids.dtype == torch.int64, float(self.max_norm), float(self.norm_type))
-        return _Lookup.apply(self.weight, ids, self.padding_idx, self.scale_grad_by_freq, self.sparse,
-                             self._output_device)
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            # Eager bookkeeping; the ops check the same facts at run time,
+            # compiled or not.
+            self._prepare_weight()
+        gpu = self._output_device.type == "cuda" and self._table.register_refused is None
+        out = (_lookup_gpu if gpu else _lookup_cpu).lookup(self, input)
+        if not compiling:
+            self._last_lookup_path = "gpu" if gpu else "cpu"
+        return out
+
+    def _prepare_weight(self) -> None:
+        """Checks that the weight still is the table's memory, and pins the
+        table on its first GPU lookup (warning and falling back to the CPU
+        path if CUDA refuses)."""
+        table = self._table
+        table.check_process()
+        weight = self._parameters["weight"]
+        if not table.views(weight):
+            self._adopt(weight)
+        if self._output_device.type == "cuda" and table.register_refused is None:
+            table.device_address(weight, resolve_device(self._output_device))
+
+    def _adopt(self, weight) -> None:
+        """`emb.weight.data = t` or `emb.weight = Parameter(t)` replaced the
+        table's memory with another tensor: copy its values into the table
+        (converting dtype, device and strides) and point the weight back at
+        the table, or refuse what cannot be a table's values. The weight
+        then no longer aliases t (torch's would)."""
+        table = self._table
+        new = weight.data
+        if new.layout != torch.strided or not new.is_floating_point() or new.dim() != 2 \
+                or tuple(new.shape) != (table.num_rows, table.dim):
+            raise RuntimeError(
+                f"hostembed.Embedding: the weight was replaced by a {list(new.shape)} {new.dtype} tensor"
+                f"{'' if new.layout == torch.strided else f' ({new.layout})'}; a host table keeps its shape "
+                f"[{table.num_rows}, {table.dim}] and floating-point values. Build a new module for another "
+                "shape (hostembed.Embedding.from_pretrained)"
+            )
+        table.wait_for_gpu_use()
+        copy_rows(table.tensor, new.detach())
+        weight.data = table.tensor
+        table.bind(weight)
+
+    def __getattr__(self, name):
+        # In a forked child (a DataLoader worker) the table's memory is not
+        # there: say so rather than hand out a weight that cannot be read.
+        if name == "weight" and not torch.compiler.is_compiling():
+            table = self.__dict__.get("_table")
+            if table is not None:
+                table.check_process()
+        return super().__getattr__(name)
+
+    def __deepcopy__(self, memo):
+        # A copy gets its own host table with the same rows (a plain
+        # deepcopy would clone the weight into an ordinary tensor and copy
+        # the table's memory objects, which cannot be copied).
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        weight = self._parameters["weight"]
+        for key, value in self.__dict__.items():
+            if key not in ("_table", "_parameters"):
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        table = HostTable(self._table.num_rows, self._table.dim, first_touch=True)
+        copy_rows(table.tensor, weight.detach())
+        param = nn.Parameter(table.tensor, requires_grad=weight.requires_grad)
+        memo[id(weight)] = param
+        new.__dict__["_table"] = table
+        new.__dict__["_parameters"] = {"weight": param}
+        table.bind(param)
+        return new
 
     def _apply(self, fn, *args, **kwargs):
         # .to()/.cuda()/.cpu()/.half() arrive here as fn over every tensor.
@@ -178,7 +196,7 @@ class Embedding(nn.Module):
         # state_dict() aliases the table, and torch.save reads it right
         # away: a max_norm renorm kernel of the last GPU lookup may still be
         # writing rows.
-        wait_for_gpu_use(self.weight)
+        self._table.wait_for_gpu_use()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -190,7 +208,7 @@ class Embedding(nn.Module):
         # code then does the bookkeeping (missing/unexpected keys, shape
         # errors, hooks) against a source that is the table itself, which
         # copy_ skips.
-        wait_for_gpu_use(self.weight)  # no kernel may still read the rows about to change
+        self._table.wait_for_gpu_use()  # no kernel may still read the rows about to change
         key = prefix + "weight"
         source = state_dict.get(key)
         if isinstance(source, torch.Tensor) and source.shape == self.weight.shape and source.is_floating_point() \
@@ -202,21 +220,12 @@ class Embedding(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
+    def _get_name(self):
+        return "hostembed.Embedding"
+
     def extra_repr(self) -> str:
-        s = "{num_embeddings}, {embedding_dim}"
-        if self.padding_idx is not None:
-            s += ", padding_idx={padding_idx}"
-        if self.max_norm is not None:
-            s += ", max_norm={max_norm}"
-        if self.norm_type != 2:
-            s += ", norm_type={norm_type}"
-        if self.scale_grad_by_freq is not False:
-            s += ", scale_grad_by_freq={scale_grad_by_freq}"
-        if self.sparse is not False:
-            s += ", sparse=True"
-        if self._output_device.type != "cpu":
-            s += ", device={_output_device}"
-        return s.format(**self.__dict__)
+        # torch's options, then where the table and the outputs are.
+        return f"{super().extra_repr()}, table in host memory, outputs on {self._output_device}"
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, max_norm=None, norm_type=2.0,

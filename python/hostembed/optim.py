@@ -1,31 +1,22 @@
 """hostembed.SparseAdam: torch.optim.SparseAdam, done in place by the C core
 for hostembed tables."""
+import time
+
 import torch
 from torch.optim import _functional as torch_functional
 
-from . import _C, _gpu
-from ._cuda import order_after_gpu_use, record_gpu_use, wait_for_gpu_use
-from ._host_memory import device_address, host_zeros, is_host_table
+from . import _ops
+from ._lookup_gpu import take_grad_twin
 from ._stream import copy_rows
+from ._table import table_of
+from ._update_choice import UpdateChooser
 
 _STATE_TENSORS = ("exp_avg", "exp_avg_sq")
 
-# Where the update of a table whose gradient came from a GPU lookup runs.
-# Per element of the u x D gradient rows, with the gradient already copied
-# to pinned host memory by backward (weight.grad must be a CPU tensor):
-#   "cpu": the core's threads read w, m, v, g and write w, m, v in host
-#          memory: 28 bytes of host-memory traffic, at the rate a few
-#          threads reach on random 512-byte rows;
-#   "gpu": a kernel reads w, m, v over PCIe and writes them back: 12 bytes
-#          each way on a full-duplex link (~50 GB/s each way on PCIe 5 x16),
-#          g from GPU memory, and the CPU stays free.
-# With ~16 cores, host memory would need ~2.3x the one-way PCIe rate on
-# random rows (well over 100 GB/s) for "cpu" to win, so "gpu" is the default.
-# Unmeasured so far: benchmarks/gpu.py times both, and the default follows
-# the measurement. Without a GPU twin of the gradient (CPU outputs, or a
-# gradient changed after backward) "gpu" uses the CPU core.
-DEFAULT_UPDATE = "gpu"
-UPDATES = ("gpu", "cpu")
+# Where the update of a table whose gradient came from a GPU lookup runs:
+# "auto" times both on the first steps and keeps the faster (_update_choice.py).
+DEFAULT_UPDATE = "auto"
+UPDATES = ("auto", "gpu", "cpu")
 
 
 class SparseAdam(torch.optim.SparseAdam):
@@ -39,22 +30,36 @@ class SparseAdam(torch.optim.SparseAdam):
     torch's own implementation.
 
     ``update`` says where the update of a table with GPU outputs runs:
-    ``"gpu"`` (default) by a kernel through the pinned mapping, reading the
-    gradient the GPU backward left in GPU memory; ``"cpu"`` by the core's
-    threads from the pinned copy of the gradient. Both give the same bits.
-    The update is complete in host memory when step() returns.
+    ``"gpu"`` by a kernel through the pinned mapping, reading the gradient
+    the GPU backward left in GPU memory (the optimizer state is pinned on
+    the first such step); ``"cpu"`` by the core's threads from the pinned
+    copy of the gradient; ``"auto"`` (default) times both on the first
+    steps of each table (3 counted steps each, after one warm-up) and keeps
+    the faster. All give the same bits. The update is complete in host
+    memory when step() returns. Tables with CPU outputs always update on
+    the CPU.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, *, update=DEFAULT_UPDATE):
         if update not in UPDATES:
             raise ValueError(f"SparseAdam: update must be one of {UPDATES}, got {update!r}")
+        self.update = update  # before torch's __init__, which calls add_param_group
         super().__init__(params, lr=lr, betas=betas, eps=eps, maximize=maximize)
-        self.update = update
-        if update == "gpu":
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if is_host_table(p):
-                        _gpu.want_grad_twin(p)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            self._want_grad_twin(table_of(p))
+
+    def _want_grad_twin(self, table):
+        """Asks backward to keep the gradient on the GPU while an update
+        there is possible."""
+        if table is None or self.update == "cpu":
+            return
+        if self.update == "gpu" or table.update_chooser is None or not table.update_chooser.settled:
+            table.twin_wanted = True
+        else:
+            table.twin_wanted = table.update_chooser.choice == "gpu"
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -70,8 +75,9 @@ class SparseAdam(torch.optim.SparseAdam):
                     continue
                 if not p.grad.is_sparse:
                     raise RuntimeError("SparseAdam does not support dense gradients, please consider Adam instead")
-                if is_host_table(p):
-                    self._host_step(p, group)
+                table = table_of(p)
+                if table is not None:
+                    self._host_step(p, table, group)
                     continue
                 state = self.state[p]
                 if len(state) == 0:
@@ -92,8 +98,7 @@ class SparseAdam(torch.optim.SparseAdam):
                 )
         return loss
 
-    def _host_step(self, p, group):
-        num_rows, dim = p.shape
+    def _host_step(self, p, table, group):
         grad = p.grad
         if grad.shape != p.shape:
             raise RuntimeError(f"SparseAdam: gradient of shape {list(grad.shape)} for a parameter of shape {list(p.shape)}")
@@ -108,54 +113,43 @@ class SparseAdam(torch.optim.SparseAdam):
         values = grad._values().to(torch.float32).contiguous()
 
         # Taken (and so released) whatever the mode: it holds GPU memory.
-        twin = _gpu.take_grad_twin(p, grad)
-        if self.update == "gpu":
-            _gpu.want_grad_twin(p)  # also for parameters added by add_param_group
+        twin = take_grad_twin(table, grad)
         state = self.state.get(p)  # not self.state[p]: a defaultdict would add an entry
         if not state:
-            exp_avg, exp_avg_sq, step = host_zeros(num_rows, dim), host_zeros(num_rows, dim), 0
+            exp_avg, exp_avg_sq, step = table.zeros(), table.zeros(), 0
         else:
             exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], int(state["step"])
         beta1, beta2 = group["betas"]
-        hyper = (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), step + 1,
-                 bool(group.get("maximize", False)))
-        on_gpu = None
-        if self.update == "gpu" and twin is not None:
-            on_gpu = [device_address(t) for t in (p, exp_avg, exp_avg_sq)]
-            if None in on_gpu:  # a buffer the driver refused to pin (warned then)
-                on_gpu = None
+        hyper = {"lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
+                 "eps": float(group["eps"]), "step": step + 1, "maximize": bool(group.get("maximize", False))}
+        mode, chooser = "cpu", None
+        if twin is not None:
+            mode = self.update
+            if mode == "auto":
+                if table.update_chooser is None:
+                    table.update_chooser = UpdateChooser()
+                chooser = table.update_chooser if not table.update_chooser.settled else None
+                mode = table.update_chooser.next_mode()
+        # Pins and maps the state on its first GPU update; a buffer CUDA
+        # refused to pin (warned then) sends the update to the CPU.
+        on_gpu = mode == "gpu" and all(table.device_address(t, twin.device) is not None
+                                       for t in (p, exp_avg, exp_avg_sq))
         self._last_update = "gpu" if on_gpu else "cpu"
+        if chooser is not None:
+            # Timed from an idle device: the work queued before step() is
+            # not the update's.
+            torch.cuda.synchronize(twin.device)
+            start = time.perf_counter()
         if on_gpu:
-            self._gpu_step(p, on_gpu, twin, hyper)
-            self.state[p].update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
-            return
-        # A GPU gather may still be reading rows this is about to write.
-        wait_for_gpu_use(p)
-        _C.sparse_adam(
-            p.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), num_rows, dim,
-            indices.data_ptr(), values.data_ptr(), indices.numel(), *hyper,
-        )
+            _ops.gpu_sparse_adam_(p, exp_avg, exp_avg_sq, twin.indices, twin.values, **hyper)
+        else:
+            _ops.sparse_adam_(p, exp_avg, exp_avg_sq, indices, values, **hyper)
+        if chooser is not None:
+            chooser.record(self._last_update, time.perf_counter() - start)
+        self._want_grad_twin(table)
         # Recorded only once the core accepted the gradient: a refused one
         # leaves weights, moments, step (and an empty state) as they were.
         self.state[p].update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
-
-    @staticmethod
-    def _gpu_step(p, addresses, twin, hyper):
-        """The update kernel on the twin's device, ordered after any GPU work
-        on the table (a gather on another stream reading these rows)."""
-        device = twin.device
-        dim = p.shape[1]
-        with torch.cuda.device(device):
-            stream = torch.cuda.current_stream(device)
-            order_after_gpu_use(p, stream)
-            w, m, v = addresses
-            _C.cuda_sparse_adam(w, m, v, dim, twin.indices.data_ptr(), twin.values.data_ptr(), twin.nnz, *hyper,
-                                device.index, stream.cuda_stream)
-            # Done when step() returns, as any optimizer on CPU tensors:
-            # state_dict(), torch.save and CPU reads of the weight see the
-            # update. The next lookup waits for its dedup anyway, so this
-            # wait mostly moves that one earlier.
-            record_gpu_use(p, stream).synchronize()
 
     def load_state_dict(self, state_dict):
         self._check_state_shapes(state_dict)
@@ -164,12 +158,13 @@ class SparseAdam(torch.optim.SparseAdam):
         # core-owned memory so step() can update them in place.
         for group in self.param_groups:
             for p in group["params"]:
-                if not is_host_table(p) or p not in self.state:
+                table = table_of(p)
+                if table is None or p not in self.state:
                     continue
                 state = self.state[p]
                 for key in _STATE_TENSORS:
                     if key in state:
-                        own = host_zeros(*p.shape)
+                        own = table.zeros()
                         # In row chunks: a torch.load(mmap=True) source is
                         # released as it is copied, never resident whole.
                         copy_rows(own, state[key], desc=f"loading {key}")

@@ -1,4 +1,6 @@
 """Swapping the big nn.Embedding modules of an existing model for host tables."""
+import warnings
+
 import torch
 from torch import nn
 
@@ -39,11 +41,32 @@ def replace_embeddings(model, min_rows=0, *, sparse=None, progress=None):
 
     if wants(model):
         return convert(model)
+    skipped = set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if wants(child):
                 setattr(parent, name, convert(child))
+            elif _skipped_table(child, min_rows):
+                skipped.add(type(child))
+    for kind in sorted(skipped, key=lambda t: t.__qualname__):
+        warnings.warn(
+            f"replace_embeddings: {kind.__module__}.{kind.__qualname__} modules are not replaced (only "
+            "torch.nn.Embedding is); their tables stay where they are",
+            UserWarning,
+            stacklevel=2,
+        )
     return model
+
+
+def _skipped_table(module, min_rows):
+    """An embedding-like torch module big enough to replace that this
+    function does not convert (nn.EmbeddingBag, subclasses of nn.Embedding
+    other than hostembed's own)."""
+    if isinstance(module, Embedding) or type(module) is nn.Embedding:
+        return False
+    if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return False
+    return getattr(module, "num_embeddings", 0) >= min_rows
 
 
 def _to_host(old, sparse, progress):

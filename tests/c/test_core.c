@@ -1,4 +1,4 @@
-/* C-level tests of hostembed's core (every csrc/ source but module.c).
+/* C-level tests of hostembed's core (every csrc/ source).
  *
  * Standalone C11, no Python and no test framework. Every result is compared
  * with a simple reference computed here (in double where sums are involved),
@@ -8,7 +8,7 @@
  *
  * Build (the pytest wrapper does this):
  *   cc -std=c11 -O1 -g -fsanitize=address,undefined -ffp-contract=off \
- *      -fno-math-errno -pthread -Icsrc tests/c/test_core.c csrc/{all but module}.c -lm
+ *      -fno-math-errno -pthread -Iinclude -Icsrc tests/c/test_core.c csrc/*.c -lm
  * -ffp-contract=off matters: the SparseAdam reference below must round every
  * float operation on its own, exactly as the core does.
  *

@@ -2,7 +2,8 @@
  *
  * The core never raises and never aborts: every fallible function returns a
  * he_status and, on failure, leaves a message (what was expected, what was
- * found) that the binding turns into the matching Python exception. */
+ * found) that the binding turns into the matching Python exception.
+ * Shared by the core (csrc/), the kernels (cuda/) and the binding. */
 #ifndef HE_STATUS_H
 #define HE_STATUS_H
 

@@ -1,0 +1,48 @@
+/* What the binding's files share: the status -> exception mapping, the
+ * address converter, and the registration function each file exports to
+ * module.c. Everything here is named heb_ (the extension exports only
+ * PyInit__C; the prefix keeps these apart from the core's he_ names even in
+ * a build that exports more). */
+#ifndef HEB_BINDING_H
+#define HEB_BINDING_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+
+#include "he_status.h"
+
+/* Raises the exception for st with the core's message for this thread:
+ * NOMEM -> MemoryError, INDEX -> IndexError, VALUE -> ValueError,
+ * CUDA -> RuntimeError, anything else -> OSError. Returns NULL. */
+PyObject *heb_raise_status(he_status st);
+
+/* An address argument (a torch data_ptr(), a stream handle, a HostBuffer
+ * address) and its keyword name, so that the converter's error names it.
+ * Declare with HEB_ADDRESS(table) and parse with "O&" and
+ * heb_address_converter, &table; then use table.ptr. */
+typedef struct heb_address {
+    const char *name;
+    void *ptr;
+} heb_address;
+
+#define HEB_ADDRESS(var) heb_address var = {#var, NULL}
+
+/* PyArg "O&" converter for a heb_address: a Python int in [0, 2**64) (not a
+ * bool). "K" would wrap a negative int into a huge pointer silently; this
+ * raises TypeError for a non-int and ValueError for one out of range,
+ * naming the argument. */
+int heb_address_converter(PyObject *obj, void *out);
+
+/* Registration, called once from PyInit__C: each adds its types and
+ * functions to the module; 0 on success, -1 with an exception set. */
+int heb_host_buffer_add(PyObject *module); /* host_buffer.c: HostBuffer */
+int heb_cpu_ops_add(PyObject *module);     /* cpu_ops.c: Dedup, gather, grad_reduce, renorm, sparse_adam */
+int heb_cuda_ops_add(PyObject *module);    /* cuda_ops.c: cuda_*; adds nothing without HE_WITH_CUDA */
+
+/* A METH_VARARGS | METH_KEYWORDS function in a PyMethodDef: through
+ * void (*)(void), which -Wcast-function-type accepts as "any function". */
+#define HEB_KW_FUNC(f) ((PyCFunction)(void (*)(void))(f))
+
+#endif

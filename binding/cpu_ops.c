@@ -1,0 +1,216 @@
+/* The CPU ops: keyword-only bindings of the core's dedup, gather,
+ * grad_reduce, renorm and sparse_adam over host addresses. */
+#include "binding.h"
+
+#include "dedup.h"
+#include "gather.h"
+#include "grad_reduce.h"
+#include "renorm.h"
+#include "sparse_adam.h"
+
+static he_ids heb_make_ids(const void *data, long long count, int is_int64)
+{
+    he_ids ids = {data, count, is_int64};
+    return ids;
+}
+
+/* ---- Dedup: the sorted unique ids of one batch, kept between the calls
+ * that size the outputs (Python allocates them) and fill them. */
+
+typedef struct {
+    PyObject_HEAD
+    he_dedup *d;
+} heb_dedup;
+
+static PyObject *heb_dedup_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"ids", "count", "ids_int64", "num_rows", NULL};
+    HEB_ADDRESS(ids);
+    long long count, num_rows;
+    int ids_int64;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LpL:Dedup", kwlist, heb_address_converter, &ids, &count,
+                                     &ids_int64, &num_rows))
+        return NULL;
+    heb_dedup *self = (heb_dedup *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    he_ids view = heb_make_ids(ids.ptr, count, ids_int64);
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_dedup_build(&view, num_rows, &self->d);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK) {
+        Py_DECREF(self);
+        return heb_raise_status(st);
+    }
+    return (PyObject *)self;
+}
+
+static void heb_dedup_dealloc(heb_dedup *self)
+{
+    he_dedup_free(self->d);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *heb_dedup_num_unique(heb_dedup *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLongLong(self->d->num_unique);
+}
+
+static PyGetSetDef heb_dedup_getset[] = {
+    {"num_unique", (getter)heb_dedup_num_unique, NULL, "number of distinct ids", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject heb_dedup_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hostembed._C.Dedup",
+    .tp_doc = "Dedup(*, ids, count, ids_int64, num_rows)\n--\n\n"
+              "Sorted unique ids of a batch (ids: address of count int64 or int32 ids); "
+              "IndexError for an id outside [0, num_rows)",
+    .tp_basicsize = sizeof(heb_dedup),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = heb_dedup_new,
+    .tp_dealloc = (destructor)heb_dedup_dealloc,
+    .tp_getset = heb_dedup_getset,
+};
+
+/* ---- functions */
+
+static PyObject *heb_gather(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"table", "num_rows", "dim", "ids", "count", "ids_int64", "out", NULL};
+    HEB_ADDRESS(table);
+    HEB_ADDRESS(ids);
+    HEB_ADDRESS(out);
+    long long num_rows, dim, count;
+    int ids_int64;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LLO&LpO&:gather", kwlist, heb_address_converter, &table,
+                                     &num_rows, &dim, heb_address_converter, &ids, &count, &ids_int64,
+                                     heb_address_converter, &out))
+        return NULL;
+    he_ids view = heb_make_ids(ids.ptr, count, ids_int64);
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_gather((const float *)table.ptr, num_rows, dim, &view, (float *)out.ptr);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *heb_grad_reduce(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"dedup", "grad", "dim", "padding_idx", "scale_grad_by_freq", "values", "indices", NULL};
+    heb_dedup *dedup;
+    HEB_ADDRESS(grad);
+    HEB_ADDRESS(values);
+    HEB_ADDRESS(indices);
+    long long dim, padding_idx;
+    int scale;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LLpO&O&:grad_reduce", kwlist, &heb_dedup_type, &dedup,
+                                     heb_address_converter, &grad, &dim, &padding_idx, &scale,
+                                     heb_address_converter, &values, heb_address_converter, &indices))
+        return NULL;
+    he_reduce_opts opts = {padding_idx, scale};
+    int64_t written = 0;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_grad_reduce(dedup->d, (const float *)grad.ptr, dim, &opts, (float *)values.ptr, (int64_t *)indices.ptr,
+                        &written);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    return PyLong_FromLongLong(written);
+}
+
+static PyObject *heb_renorm(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"table", "num_rows", "dim", "ids", "count", "ids_int64", "max_norm", "norm_type", NULL};
+    HEB_ADDRESS(table);
+    HEB_ADDRESS(ids);
+    long long num_rows, dim, count;
+    int ids_int64;
+    double max_norm, norm_type;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LLO&Lpdd:renorm", kwlist, heb_address_converter, &table,
+                                     &num_rows, &dim, heb_address_converter, &ids, &count, &ids_int64, &max_norm,
+                                     &norm_type))
+        return NULL;
+    he_ids view = heb_make_ids(ids.ptr, count, ids_int64);
+    he_dedup *d = NULL;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_dedup_build(&view, num_rows, &d);
+    if (st == HE_OK)
+        st = he_renorm((float *)table.ptr, num_rows, dim, d, max_norm, norm_type);
+    he_dedup_free(d);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *heb_sparse_adam(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"weight", "exp_avg", "exp_avg_sq", "num_rows", "dim", "indices", "values", "nnz",
+                             "lr", "beta1", "beta2", "eps", "step", "maximize", NULL};
+    HEB_ADDRESS(weight);
+    HEB_ADDRESS(exp_avg);
+    HEB_ADDRESS(exp_avg_sq);
+    HEB_ADDRESS(indices);
+    HEB_ADDRESS(values);
+    long long num_rows, dim, nnz, step;
+    he_adam_params hp;
+    int maximize;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&O&O&LLO&O&LddddLp:sparse_adam", kwlist, heb_address_converter,
+                                     &weight, heb_address_converter, &exp_avg, heb_address_converter, &exp_avg_sq,
+                                     &num_rows, &dim, heb_address_converter, &indices, heb_address_converter,
+                                     &values, &nnz, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &step, &maximize))
+        return NULL;
+    hp.step = step;
+    hp.maximize = maximize;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_sparse_adam((float *)weight.ptr, (float *)exp_avg.ptr, (float *)exp_avg_sq.ptr, num_rows, dim,
+                        (const int64_t *)indices.ptr, (const float *)values.ptr, nnz, &hp);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef heb_cpu_methods[] = {
+    {"gather", HEB_KW_FUNC(heb_gather), METH_VARARGS | METH_KEYWORDS,
+     "gather($module, /, *, table, num_rows, dim, ids, count, ids_int64, out)\n--\n\n"
+     "out[i] = table[ids[i]]; IndexError (out may be written, the table never) for an id outside "
+     "[0, num_rows)"},
+    {"grad_reduce", HEB_KW_FUNC(heb_grad_reduce), METH_VARARGS | METH_KEYWORDS,
+     "grad_reduce($module, /, *, dedup, grad, dim, padding_idx, scale_grad_by_freq, values, indices)\n--\n\n"
+     "Sums the grad rows of each unique id of dedup into values/indices (ascending ids, padding_idx "
+     "left out) -> rows written"},
+    {"renorm", HEB_KW_FUNC(heb_renorm), METH_VARARGS | METH_KEYWORDS,
+     "renorm($module, /, *, table, num_rows, dim, ids, count, ids_int64, max_norm, norm_type)\n--\n\n"
+     "max_norm in place on the rows ids refer to"},
+    {"sparse_adam", HEB_KW_FUNC(heb_sparse_adam), METH_VARARGS | METH_KEYWORDS,
+     "sparse_adam($module, /, *, weight, exp_avg, exp_avg_sq, num_rows, dim, indices, values, nnz, lr, beta1, "
+     "beta2, eps, step, maximize)\n--\n\n"
+     "torch.optim.SparseAdam's update of rows indices[:nnz] with grad rows values[:nnz], in place"},
+    {NULL, NULL, 0, NULL},
+};
+
+int heb_cpu_ops_add(PyObject *module)
+{
+    if (PyType_Ready(&heb_dedup_type) < 0)
+        return -1;
+    Py_INCREF(&heb_dedup_type);
+    if (PyModule_AddObject(module, "Dedup", (PyObject *)&heb_dedup_type) < 0) {
+        Py_DECREF(&heb_dedup_type);
+        return -1;
+    }
+    return PyModule_AddFunctions(module, heb_cpu_methods);
+}

@@ -1,0 +1,149 @@
+/* hostembed._C: the CPython binding of the core (csrc/) and the kernels
+ * (cuda/). binding/ is the only code that includes Python.h:
+ *   module.c      PyInit__C, the module's own functions (threads, scratch
+ *                 cache, CUDA_COMPILED) and the helpers of binding.h;
+ *   host_buffer.c the HostBuffer type (big host allocations, pinning);
+ *   cpu_ops.c     Dedup, gather, grad_reduce, renorm, sparse_adam;
+ *   cuda_ops.c    the cuda_* launchers (built with HE_WITH_CUDA only).
+ *
+ * Every op takes raw addresses and sizes (the Python layer owns the torch
+ * tensors and keeps them alive for the call), by keyword only, releases the
+ * GIL around the work and turns a he_status into the matching exception.
+ *
+ * Adding an op:
+ *   1. the work: a core function in csrc/ (returns he_status, never raises)
+ *      or an extern "C" launcher in cuda/ declared in cuda/he_cuda.h; types
+ *      both sides use go in include/ (csrc/ and cuda/ never include each
+ *      other's headers);
+ *   2. a keyword-only binding in cpu_ops.c or cuda_ops.c: "$" first in the
+ *      PyArg_ParseTupleAndKeywords format, addresses through HEB_ADDRESS +
+ *      "O&" heb_address_converter, sizes "L", flags "p", floats "d", the
+ *      call between Py_BEGIN/END_ALLOW_THREADS, heb_raise_status on failure,
+ *      and a docstring starting with its text signature;
+ *   3. the torch custom op in python/hostembed/_ops.py, the only Python
+ *      caller of _C (schema, fake implementation, autograd; tensors become
+ *      addresses there and nowhere else). */
+#include "binding.h"
+
+#include <limits.h>
+
+#include "host_memory.h"
+#include "thread_pool.h"
+
+PyObject *heb_raise_status(he_status st)
+{
+    PyObject *type;
+    switch (st) {
+    case HE_ERR_NOMEM: type = PyExc_MemoryError; break;
+    case HE_ERR_INDEX: type = PyExc_IndexError; break;
+    case HE_ERR_VALUE: type = PyExc_ValueError; break;
+    case HE_ERR_CUDA: type = PyExc_RuntimeError; break;
+    default: type = PyExc_OSError; break;
+    }
+    PyErr_SetString(type, he_last_error());
+    return NULL;
+}
+
+int heb_address_converter(PyObject *obj, void *out)
+{
+    heb_address *a = out;
+    /* bool is an int subclass; True as an address is a swapped flag. */
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an address (a non-negative int), got %.100s", a->name,
+                     Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (value == -1 && PyErr_Occurred())
+        return 0;
+    if (overflow < 0 || (overflow == 0 && value < 0)) {
+        PyErr_Format(PyExc_ValueError, "%s must be an address (a non-negative int), got %R", a->name, obj);
+        return 0;
+    }
+    unsigned long long address = (unsigned long long)value;
+    if (overflow > 0) {
+        address = PyLong_AsUnsignedLongLong(obj);
+        if (address == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Format(PyExc_ValueError, "%s must be an address below 2**64, got %R", a->name, obj);
+            return 0;
+        }
+    }
+#if UINTPTR_MAX < ULLONG_MAX
+    if (address > UINTPTR_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s must be an address below 2**%d, got %R", a->name,
+                     (int)(8 * sizeof(uintptr_t)), obj);
+        return 0;
+    }
+#endif
+    a->ptr = (void *)(uintptr_t)address;
+    return 1;
+}
+
+static PyObject *heb_set_num_threads(PyObject *mod, PyObject *arg)
+{
+    (void)mod;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 1 || n > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "number of threads must be a positive integer, got %ld", n);
+        return NULL;
+    }
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_set_num_threads((int)n);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *heb_get_num_threads(PyObject *mod, PyObject *unused)
+{
+    (void)mod;
+    (void)unused;
+    return PyLong_FromLong(he_get_num_threads());
+}
+
+static PyObject *heb_empty_cache(PyObject *mod, PyObject *unused)
+{
+    (void)mod;
+    (void)unused;
+    he_scratch_trim();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef heb_module_methods[] = {
+    {"empty_cache", heb_empty_cache, METH_NOARGS, "unmap the scratch buffers kept for reuse"},
+    {"set_num_threads", heb_set_num_threads, METH_O, "set the core's worker thread count"},
+    {"get_num_threads", heb_get_num_threads, METH_NOARGS, "the core's worker thread count"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef heb_module_def = {
+    PyModuleDef_HEAD_INIT, "hostembed._C", "hostembed's C core", -1, heb_module_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__C(void)
+{
+    PyObject *m = PyModule_Create(&heb_module_def);
+    if (!m)
+        return NULL;
+#ifdef HE_WITH_CUDA
+    PyObject *cuda_compiled = Py_True;
+#else
+    PyObject *cuda_compiled = Py_False;
+#endif
+    Py_INCREF(cuda_compiled);
+    if (PyModule_AddObject(m, "CUDA_COMPILED", cuda_compiled) < 0) {
+        Py_DECREF(cuda_compiled);
+        goto fail;
+    }
+    if (heb_host_buffer_add(m) < 0 || heb_cpu_ops_add(m) < 0 || heb_cuda_ops_add(m) < 0)
+        goto fail;
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}

@@ -1,0 +1,20 @@
+"""The CPU path of hostembed.Embedding: the core's threads gather rows into
+host memory; outputs go to another device with one copy."""
+from . import _ops
+from ._ids import prepare_ids
+
+
+def lookup(module, ids):
+    out = _ops.lookup(module.weight, prepare_ids(ids), _padding(module), _max_norm(module), float(module.norm_type),
+                      module.scale_grad_by_freq, module.sparse)
+    if module.output_device.type != "cpu":
+        out = out.to(module.output_device)
+    return out
+
+
+def _padding(module):
+    return -1 if module.padding_idx is None else module.padding_idx
+
+
+def _max_norm(module):
+    return None if module.max_norm is None else float(module.max_norm)

@@ -1,0 +1,385 @@
+"""The boundary between Python and the C core: hostembed's custom ops.
+
+This is the only Python code that calls the extension (_C), and the one
+place where tensors become addresses. Every op checks what it is handed
+(dtype, device, layout, and that a table tensor is exactly the rows of a
+live host table of this process, never a view of something else) before
+calling the core, whose functions take named arguments only.
+
+The steps that touch a table are torch.library custom ops (namespace
+``hostembed``) with fake implementations and registered autograd, so
+torch.compile traces a lookup and its backward without breaking the graph.
+What has to happen at run time (ordering against GPU work, the fork check,
+keeping the gradient on the GPU for the update) happens inside the ops,
+never in traced Python.
+
+Adding an op: the core function in csrc/ (or a launcher in cuda/), its
+keyword-only binding in binding/, then a custom op here that validates,
+takes addresses with _address() and calls it. Modules and optimizers call
+the ops, never _C.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _C
+from ._ids import ID_DTYPES
+from ._table import host_table_of
+
+CUDA_COMPILED = bool(getattr(_C, "CUDA_COMPILED", False))
+
+HostBuffer = _C.HostBuffer
+set_num_threads = _C.set_num_threads
+get_num_threads = _C.get_num_threads
+empty_cache = _C.empty_cache
+
+
+def _address(tensor: Tensor) -> int:
+    return tensor.data_ptr()
+
+
+def _ids(ids: Tensor) -> dict:
+    """The core's view of a batch of ids: contiguous int64/int32."""
+    if ids.dtype not in ID_DTYPES or not ids.is_contiguous():
+        raise ValueError(f"hostembed: the core takes contiguous int64/int32 ids, got {ids.dtype}"
+                         f"{'' if ids.is_contiguous() else ', not contiguous'}")
+    return {"ids": _address(ids), "count": ids.numel(), "ids_int64": ids.dtype == torch.int64}
+
+
+def _cpu_ids(ids: Tensor) -> dict:
+    if ids.device.type != "cpu":
+        raise ValueError(f"hostembed: the CPU core takes ids on the CPU, got {ids.device}")
+    return _ids(ids)
+
+
+def _float_rows(tensor: Tensor, count: int, dim: int, device) -> Tensor:
+    """tensor's values as a contiguous float32 [count, dim] matrix on device."""
+    return tensor.to(device=device, dtype=torch.float32).contiguous().reshape(count, dim)
+
+
+def scratch(*shape: int) -> Tensor:
+    """An uninitialised float32 CPU tensor from the core's scratch cache.
+
+    For per-step buffers (lookup outputs, gradient values): when the last
+    view of it dies, its pages go back to the cache and the next step of the
+    same size reuses them instead of page-faulting a fresh mapping.
+    """
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel == 0:
+        return torch.empty(shape, dtype=torch.float32)
+    buf = _C.HostBuffer(numel * 4, scratch=True)
+    # The buffer may be larger (size classes): view the prefix.
+    return torch.frombuffer(buf, dtype=torch.float32, count=numel).view(shape)
+
+
+def weight_grad(indices: Tensor, values: Tensor, num_rows: int, dim: int, sparse: bool) -> Tensor:
+    """The table's gradient from its reduced rows: row-sparse COO (already
+    coalesced: the indices are unique and ascending) or dense."""
+    if sparse:
+        return torch.sparse_coo_tensor(indices.unsqueeze(0), values, (num_rows, dim), is_coalesced=True,
+                                       check_invariants=False)
+    return torch.zeros(num_rows, dim, dtype=torch.float32, device=values.device).index_copy_(0, indices, values)
+
+
+# ---- CPU lookup: out = weight[ids]; backward sums the rows per unique id
+
+@torch.library.custom_op("hostembed::lookup", mutates_args=())
+def lookup(weight: Tensor, ids: Tensor, padding_idx: int, max_norm: Optional[float], norm_type: float,
+           scale_grad_by_freq: bool, sparse: bool) -> Tensor:
+    """weight[ids] by the core's threads, on the CPU.
+
+    With max_norm the referenced rows are first renormed in place, outside
+    autograd, as torch's embedding does. The op does not declare that write:
+    declared, torch.compile would copy the whole table to functionalise it.
+    padding_idx (-1: none), scale_grad_by_freq and sparse shape backward.
+    """
+    table = host_table_of(weight, "a lookup")
+    table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
+    ids_args = _cpu_ids(ids)
+    rows = {"table": _address(weight), "num_rows": table.num_rows, "dim": table.dim}
+    if max_norm is not None:
+        _C.renorm(**rows, **ids_args, max_norm=float(max_norm), norm_type=float(norm_type))
+    out = scratch(*ids.shape, table.dim)
+    _C.gather(**rows, **ids_args, out=_address(out))
+    return out
+
+
+@lookup.register_fake
+def _(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+    return weight.new_empty(*ids.shape, weight.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("hostembed::grad_reduce", mutates_args=())
+def grad_reduce(ids: Tensor, grad: Tensor, num_rows: int, padding_idx: int,
+                scale_grad_by_freq: bool) -> tuple[Tensor, Tensor]:
+    """Sums grad's rows per unique id on the CPU: (indices int64 [k]
+    ascending, values float32 [k, D]), padding_idx (-1: none) left out.
+    Deterministic for any thread count; an id outside [0, num_rows) raises
+    IndexError before anything is written."""
+    dim = grad.shape[-1]
+    ids = ids.reshape(-1).contiguous()
+    rows = _float_rows(grad, ids.numel(), dim, "cpu")
+    dedup = _C.Dedup(**_cpu_ids(ids), num_rows=num_rows)
+    indices = torch.empty(dedup.num_unique, dtype=torch.int64)
+    values = scratch(dedup.num_unique, dim)
+    written = _C.grad_reduce(dedup=dedup, grad=_address(rows), dim=dim, padding_idx=padding_idx,
+                             scale_grad_by_freq=scale_grad_by_freq, values=_address(values),
+                             indices=_address(indices))
+    if written == dedup.num_unique:
+        return indices, values
+    return indices[:written].clone(), values[:written].clone()
+
+
+@grad_reduce.register_fake
+def _(ids, grad, num_rows, padding_idx, scale_grad_by_freq):
+    unique = torch.library.get_ctx().new_dynamic_size()
+    return (torch.empty(unique, dtype=torch.int64, device="cpu"),
+            torch.empty(unique, grad.shape[-1], dtype=torch.float32, device="cpu"))
+
+
+def _lookup_setup(ctx, inputs, output):
+    weight, ids, padding_idx, _, _, scale_grad_by_freq, sparse = inputs
+    ctx.save_for_backward(ids)
+    ctx.table_shape = tuple(weight.shape)
+    ctx.spec = (padding_idx, scale_grad_by_freq, sparse)
+
+
+def _lookup_backward(ctx, grad_out):
+    (ids,) = ctx.saved_tensors
+    num_rows, dim = ctx.table_shape
+    padding_idx, scale_grad_by_freq, sparse = ctx.spec
+    grad = None
+    if ctx.needs_input_grad[0]:
+        indices, values = grad_reduce(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq)
+        grad = weight_grad(indices, values, num_rows, dim, sparse)
+    return grad, None, None, None, None, None, None
+
+
+lookup.register_autograd(_lookup_backward, setup_context=_lookup_setup)
+
+
+# ---- the optimizer update on the CPU
+
+@torch.library.custom_op("hostembed::sparse_adam_", mutates_args=("weight", "exp_avg", "exp_avg_sq"))
+def sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indices: Tensor, values: Tensor, lr: float,
+                 beta1: float, beta2: float, eps: float, step: int, maximize: bool) -> None:
+    """torch.optim.SparseAdam's update of rows `indices` with gradient rows
+    `values`, in place, by the core's threads. Repeated indices are summed
+    first; an index outside the table raises before anything is written."""
+    table = host_table_of(weight, "SparseAdam")
+    _check_state(table, exp_avg, exp_avg_sq)
+    indices = indices.to(device="cpu", dtype=torch.int64).contiguous()
+    values = _float_rows(values, indices.numel(), table.dim, "cpu")
+    table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
+    _C.sparse_adam(weight=_address(weight), exp_avg=_address(exp_avg), exp_avg_sq=_address(exp_avg_sq),
+                   num_rows=table.num_rows, dim=table.dim, indices=_address(indices), values=_address(values),
+                   nnz=indices.numel(), lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, maximize=maximize)
+
+
+@sparse_adam_.register_fake
+def _(weight, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps, step, maximize):
+    return None
+
+
+def _check_state(table, *state):
+    for tensor in state:
+        if not (tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous()
+                and tuple(tensor.shape) == (table.num_rows, table.dim)):
+            raise RuntimeError(
+                f"hostembed: optimizer state for a [{table.num_rows}, {table.dim}] table must be a contiguous "
+                f"float32 CPU tensor of that shape, got a {list(tensor.shape)} {tensor.dtype} tensor on "
+                f"{tensor.device}"
+            )
+
+
+# ---- the GPU path: outputs on a GPU, rows read from the pinned table
+#
+# forward: dedup the ids on the GPU (CUB sort; the one host wait of a
+# lookup, for the range check and the unique count), max_norm on the unique
+# rows in place, a zero-copy gather of the unique rows, out = rows[inverse].
+# backward: segment-sum of the output gradient per unique id on the GPU,
+# copied to pinned host memory for weight.grad (see _lookup_gpu.py).
+# Everything runs on torch's current stream of the device; buffers come from
+# torch's caching allocator on that stream, so their reuse is stream-ordered.
+
+def _need_cuda(what):
+    if not CUDA_COMPILED:
+        raise RuntimeError(f"hostembed: {what} needs the CUDA kernels, and this build has none")
+
+
+def _pinned_rows(table, tensor, device, what):
+    address = table.device_address(tensor, device)
+    if address is None:
+        raise RuntimeError(f"hostembed: {what}: the host buffer is not pinned for the GPU (CUDA refused it)")
+    return address
+
+
+@torch.library.custom_op("hostembed::gpu_lookup", mutates_args=())
+def gpu_lookup(weight: Tensor, ids: Tensor, device: torch.device, padding_idx: int, max_norm: Optional[float],
+               norm_type: float, scale_grad_by_freq: bool,
+               sparse: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """weight[ids] on `device`, read straight from the pinned table.
+
+    Returns the output and what backward needs: the batch's unique ids,
+    their offsets into `order` (positions sorted by id), the inverse map
+    (position -> unique slot) and, on the CPU, [num_unique, padding_slot].
+    Like the CPU op, max_norm renorms the rows in place, undeclared.
+    """
+    _need_cuda("a GPU lookup")
+    table = host_table_of(weight, "a GPU lookup")
+    base = _pinned_rows(table, weight, device, "a GPU lookup")
+    dim = table.dim
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        # contiguous(): reshape(-1) is a view wherever it can be, and a 1-D
+        # view may be strided (ids[::2]) or expanded (stride 0); the kernels
+        # read count packed ids.
+        flat = ids.to(device).reshape(-1).contiguous()
+        count = flat.numel()
+        table.order_after_gpu_use(stream)
+        where = {"device": device.index, "stream": stream.cuda_stream}
+        ws_bytes = _C.cuda_dedup_workspace(count=count, num_rows=table.num_rows, device=device.index)
+        workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=device)
+        unique = torch.empty(count, dtype=torch.int64, device=device)
+        offsets = torch.empty(count + 1, dtype=torch.int64, device=device)
+        order = torch.empty(count, dtype=torch.int32, device=device)
+        inverse = torch.empty(count, dtype=torch.int64, device=device)
+        num_unique, padding_slot = _C.cuda_dedup(
+            **_ids(flat), num_rows=table.num_rows, padding_idx=padding_idx, workspace=_address(workspace),
+            workspace_bytes=ws_bytes, unique=_address(unique), offsets=_address(offsets), order=_address(order),
+            inverse=_address(inverse), **where)
+        if max_norm is not None:
+            # In place before the gather, outside autograd (as torch does).
+            _C.cuda_renorm(table=base, dim=dim, rows=_address(unique), count=num_unique, max_norm=float(max_norm),
+                           norm_type=float(norm_type), **where)
+        # dtype spelled out: the kernels write float32 whatever
+        # torch.get_default_dtype() says.
+        rows = torch.empty(num_unique, dim, dtype=torch.float32, device=device)
+        _C.cuda_gather(table=base, dim=dim, rows=_address(unique), count=num_unique, out=_address(rows), **where)
+        table.record_gpu_use(stream)
+        out = rows.index_select(0, inverse).view(*ids.shape, dim)
+    info = torch.tensor([num_unique, padding_slot], dtype=torch.int64)
+    return out, unique, offsets, order, inverse, info
+
+
+@gpu_lookup.register_fake
+def _(weight, ids, device, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+    count = ids.numel()
+    return (torch.empty(*ids.shape, weight.shape[1], dtype=torch.float32, device=device),
+            torch.empty(count, dtype=torch.int64, device=device),
+            torch.empty(count + 1, dtype=torch.int64, device=device),
+            torch.empty(count, dtype=torch.int32, device=device),
+            torch.empty(count, dtype=torch.int64, device=device),
+            torch.empty(2, dtype=torch.int64, device="cpu"))
+
+
+@torch.library.custom_op("hostembed::gpu_grad_reduce", mutates_args=())
+def gpu_grad_reduce(weight: Tensor, grad: Tensor, unique: Tensor, offsets: Tensor, order: Tensor, inverse: Tensor,
+                    info: Tensor, scale_grad_by_freq: bool) -> tuple[Tensor, Tensor]:
+    """Sums the output gradient per unique id on the GPU in a fixed order
+    (no atomics), and returns the sums in pinned host memory: (indices
+    [k], values [k, D]), padding_idx's row left out. weight.grad lives on
+    the CPU because the weight does (autograd requires it), so backward
+    waits for that copy. When the table's optimizer may update on the GPU,
+    the GPU copy is kept on the table too (a "twin" of weight.grad)."""
+    _need_cuda("a GPU backward")
+    from ._lookup_gpu import GradTwin
+
+    table = host_table_of(weight, "a GPU backward")
+    device, dim = unique.device, table.dim
+    num_unique, padding_slot = info.tolist()
+    count = inverse.numel()
+    kept = num_unique - (padding_slot >= 0)
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        indices = torch.empty(kept, dtype=torch.int64, device=device)
+        values = torch.empty(kept, dim, dtype=torch.float32, device=device)
+        if count:
+            rows = _float_rows(grad, count, dim, device)
+            ws_bytes = _C.cuda_grad_reduce_workspace(count=count, num_unique=num_unique, dim=dim,
+                                                     device=device.index)
+            workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=device)
+            _C.cuda_grad_reduce(
+                grad=_address(rows), dim=dim, count=count, unique=_address(unique), offsets=_address(offsets),
+                order=_address(order), inverse=_address(inverse), num_unique=num_unique,
+                padding_slot=padding_slot, scale_grad_by_freq=scale_grad_by_freq, workspace=_address(workspace),
+                workspace_bytes=ws_bytes, values=_address(values), indices=_address(indices),
+                device=device.index, stream=stream.cuda_stream)
+        # Pinned staging from torch's caching host allocator: a per-step
+        # buffer reused step after step, unlike the table, for which
+        # pin_memory() is never used. Its power-of-two rounding costs at
+        # most one extra gradient's worth of pinned memory.
+        indices_cpu = torch.empty(kept, dtype=torch.int64, pin_memory=True)
+        values_cpu = torch.empty(kept, dim, dtype=torch.float32, pin_memory=True)
+        if kept:
+            indices_cpu.copy_(indices, non_blocking=True)
+            values_cpu.copy_(values, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+            done.synchronize()
+    table.grad_twin = GradTwin(indices, values, indices_cpu, values_cpu, table.num_rows) if table.twin_wanted \
+        else None
+    return indices_cpu, values_cpu
+
+
+@gpu_grad_reduce.register_fake
+def _(weight, grad, unique, offsets, order, inverse, info, scale_grad_by_freq):
+    kept = torch.library.get_ctx().new_dynamic_size()
+    return (torch.empty(kept, dtype=torch.int64, device="cpu"),
+            torch.empty(kept, weight.shape[1], dtype=torch.float32, device="cpu"))
+
+
+def _gpu_lookup_setup(ctx, inputs, output):
+    weight, _, _, _, _, _, scale_grad_by_freq, sparse = inputs
+    _, unique, offsets, order, inverse, info = output
+    ctx.save_for_backward(weight, unique, offsets, order, inverse, info)
+    ctx.spec = (scale_grad_by_freq, sparse)
+    ctx.table_shape = tuple(weight.shape)
+
+
+def _gpu_lookup_backward(ctx, grad_out, *unused):
+    weight, unique, offsets, order, inverse, info = ctx.saved_tensors
+    scale_grad_by_freq, sparse = ctx.spec
+    num_rows, dim = ctx.table_shape
+    grad = None
+    if ctx.needs_input_grad[0]:
+        indices, values = gpu_grad_reduce(weight, grad_out, unique, offsets, order, inverse, info,
+                                          scale_grad_by_freq)
+        grad = weight_grad(indices, values, num_rows, dim, sparse)
+    return grad, None, None, None, None, None, None, None
+
+
+gpu_lookup.register_autograd(_gpu_lookup_backward, setup_context=_gpu_lookup_setup)
+
+
+@torch.library.custom_op("hostembed::gpu_sparse_adam_", mutates_args=("weight", "exp_avg", "exp_avg_sq"))
+def gpu_sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indices: Tensor, values: Tensor,
+                     lr: float, beta1: float, beta2: float, eps: float, step: int, maximize: bool) -> None:
+    """SparseAdam's update by a kernel on values' GPU, through the pinned
+    mapping of the table and its state (pinned here on first use), with
+    the gradient rows already in GPU memory. Complete when it returns."""
+    _need_cuda("a GPU update")
+    table = host_table_of(weight, "SparseAdam")
+    _check_state(table, exp_avg, exp_avg_sq)
+    device = values.device
+    w, m, v = (_pinned_rows(table, t, device, "SparseAdam") for t in (weight, exp_avg, exp_avg_sq))
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        # After any GPU work on the rows (a gather on another stream).
+        table.order_after_gpu_use(stream)
+        _C.cuda_sparse_adam(weight=w, exp_avg=m, exp_avg_sq=v, dim=table.dim, indices=_address(indices),
+                            values=_address(values), nnz=indices.numel(), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                            step=step, maximize=maximize, device=device.index, stream=stream.cuda_stream)
+        # Done when step() returns, as any optimizer on CPU tensors:
+        # state_dict(), torch.save and CPU reads of the weight see the
+        # update. The next lookup waits for its dedup anyway, so this wait
+        # mostly moves that one earlier.
+        table.record_gpu_use(stream).synchronize()
+
+
+@gpu_sparse_adam_.register_fake
+def _(weight, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps, step, maximize):
+    return None

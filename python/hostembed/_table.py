@@ -1,0 +1,205 @@
+"""One host table: its memory, its CUDA registration, the ordering of GPU
+work on it, and the host buffers of its optimizer state.
+
+Every piece of per-table bookkeeping lives on this object (the module holds
+it as ``emb._table``; an optimizer finds it from the parameter with
+:func:`table_of`), so that a dropped module takes all of it along.
+
+Registration with CUDA is lazy: a table is pinned on its first GPU lookup,
+and an optimizer-state buffer on the first GPU update that writes it. A
+table that only ever produces CPU outputs never pins a page and never
+creates a CUDA context, even on a GPU machine.
+"""
+import os
+import warnings
+import weakref
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import _C
+
+_FLOAT_BYTES = 4
+
+# Parameter -> its HostTable. Weak on the parameter; the table never refers
+# back to it, so a dropped module frees the table.
+_tables = WeakIdKeyDictionary()
+# The address of a table's rows -> the table: the ops find a table from
+# whatever tensor object torch hands them (the parameter itself in eager
+# mode and, so far, under torch.compile too; an alias of it otherwise).
+_by_address = weakref.WeakValueDictionary()
+
+
+def table_of(param):
+    """The HostTable behind a parameter, or None for any other tensor."""
+    return _tables.get(param)
+
+
+def host_table_of(tensor, what):
+    """The HostTable whose rows `tensor` is, checked to be exactly those
+    rows in this process; a clear error otherwise. The ops call it before
+    touching any memory."""
+    table = _tables.get(tensor)
+    if table is None and tensor.numel():
+        table = _by_address.get(tensor.data_ptr())
+    if table is None:
+        raise RuntimeError(
+            f"hostembed: {what} needs a hostembed table's weight, but got a {list(tensor.shape)} {tensor.dtype} "
+            f"tensor on {tensor.device} that is not one (was the weight's .data replaced?)"
+        )
+    table.check_process()
+    if not table.views(tensor):
+        raise RuntimeError(
+            f"hostembed: the weight of this [{table.num_rows}, {table.dim}] host table no longer views the "
+            f"table's memory (it is a {list(tensor.shape)} {tensor.dtype} tensor on {tensor.device}"
+            f"{'' if tensor.is_contiguous() else ', not contiguous'}). The rows live in host memory owned "
+            "by the table: change them in place, e.g. `with torch.no_grad(): emb.weight.copy_(new)`, or "
+            "build a new module with hostembed.Embedding.from_pretrained(new)"
+        )
+    return table
+
+
+def _in_forked_child():
+    # A forked child has no mapping of the tables (MADV_DONTFORK, see
+    # csrc/host_memory.c): any read of their rows would fault. The
+    # parameters get an empty tensor so that a raw read raises instead of
+    # crashing, and every op and `emb.weight` say why (check_process).
+    for param in list(_tables.keys()):
+        param.data = torch.empty(0, dtype=torch.float32)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_in_forked_child)
+
+
+FORK_MESSAGE = (
+    "hostembed: a host table's memory is not inherited by forked processes (a table of tens of GB would "
+    "otherwise be copied page by page as training writes it), and this is a forked child of the process "
+    "that made it, such as a DataLoader worker. Look the rows up in the main process (call the module on "
+    "the batch's ids in the training loop, not in the Dataset), or give the workers a torch tensor of "
+    "the rows they need (e.g. emb.weight.detach().clone()) before the DataLoader starts them"
+)
+
+
+def host_tensor(buf, num_rows, dim):
+    """A [num_rows, dim] float32 CPU tensor over a HostBuffer (no copy); the
+    tensor keeps the buffer alive."""
+    if num_rows * dim == 0:
+        return torch.zeros(num_rows, dim, dtype=torch.float32)
+    return torch.frombuffer(buf, dtype=torch.float32, count=num_rows * dim).view(num_rows, dim)
+
+
+def allocate(num_rows, dim, *, first_touch=False):
+    """A zeroed HostBuffer for a [num_rows, dim] float32 table, or a
+    MemoryError naming the size."""
+    nbytes = num_rows * dim * _FLOAT_BYTES
+    what = f"a [{num_rows}, {dim}] float32 table ({nbytes} bytes)"
+    if nbytes > (1 << 63) - 1:
+        raise MemoryError(f"hostembed: cannot allocate {what}: larger than any address space")
+    try:
+        return _C.HostBuffer(nbytes, first_touch)
+    except MemoryError as exc:
+        raise MemoryError(f"hostembed: cannot allocate {what} ({exc})") from None
+
+
+class HostTable:
+    """A [num_rows, dim] float32 table in core-owned host memory."""
+
+    def __init__(self, num_rows, dim, *, first_touch=True):
+        self.num_rows, self.dim = num_rows, dim
+        # Every buffer of this table (its rows and its optimizer state), by
+        # host address, so a tensor viewing one finds its device address.
+        # Weak: a state buffer goes when the optimizer drops it.
+        self._buffers = weakref.WeakValueDictionary()
+        self.register_refused = None  # the reason, once CUDA refused to pin a buffer
+        # torch.cuda.Event after the last GPU work that reads or writes the
+        # rows: GPU work on another stream waits for it on the device, CPU
+        # code that writes the rows waits for it on the host.
+        self.last_gpu_use = None
+        # Set by an optimizer that updates on the GPU: backward then keeps
+        # the GPU copy of the reduced gradient (see _gpu.GradTwin).
+        self.twin_wanted = False
+        self.grad_twin = None
+        # Where SparseAdam(update="auto") settled for this table.
+        self.update_chooser = None
+        self.pid = os.getpid()
+        self.tensor = self.zeros(first_touch=first_touch)
+        if self.tensor.numel():
+            _by_address[self.tensor.data_ptr()] = self
+
+    def zeros(self, *, first_touch=False):
+        """A new zeroed [num_rows, dim] float32 buffer of this table (rows or
+        optimizer state). Without first_touch, pages are backed only once
+        written: state of rows never trained costs nothing."""
+        buf = allocate(self.num_rows, self.dim, first_touch=first_touch)
+        if buf.nbytes:
+            self._buffers[buf.address] = buf
+        return host_tensor(buf, self.num_rows, self.dim)
+
+    def bind(self, param):
+        """Makes table_of(param) find this table."""
+        _tables[param] = self
+
+    def check_process(self):
+        if os.getpid() != self.pid:
+            raise RuntimeError(FORK_MESSAGE)
+
+    def views(self, tensor):
+        """True when tensor is exactly this table's rows: the whole buffer,
+        row-major, float32. A weight whose .data was swapped is not."""
+        return (tensor.dtype == torch.float32 and tuple(tensor.shape) == (self.num_rows, self.dim)
+                and tensor.device.type == "cpu" and tensor.is_contiguous()
+                and (tensor.numel() == 0 or tensor.data_ptr() == self.tensor.data_ptr()))
+
+    # ---- CUDA registration (lazy)
+
+    def device_address(self, tensor, device):
+        """The device address of tensor's first element, pinning and mapping
+        its buffer (from `device`'s context) on first use; None when the
+        buffer is not ours or CUDA refused to pin it (warned once)."""
+        base = tensor.untyped_storage().data_ptr()
+        buf = self._buffers.get(base)
+        if buf is None:
+            return None
+        if buf.device_address is None:
+            if self.register_refused is not None:
+                return None
+            try:
+                buf.cuda_register(device.index)
+            except (RuntimeError, OSError, MemoryError, ValueError) as exc:
+                self.register_refused = str(exc)
+                warnings.warn(
+                    f"hostembed: could not pin {buf.nbytes} bytes of host memory for the GPU ({exc}); the table "
+                    "stays unpinned, and its GPU lookups and updates go through the CPU core and a copy",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                return None
+        return buf.device_address + (tensor.data_ptr() - base)
+
+    @property
+    def registered(self):
+        buf = self._buffers.get(self.tensor.untyped_storage().data_ptr()) if self.tensor.numel() else None
+        return buf is not None and buf.device_address is not None
+
+    # ---- ordering GPU work on the rows
+
+    def record_gpu_use(self, stream):
+        event = torch.cuda.Event()
+        event.record(stream)
+        self.last_gpu_use = event
+        return event
+
+    def order_after_gpu_use(self, stream):
+        """Makes `stream` wait (on the device; the host does not block) for
+        the last GPU work on the rows, which may have run on another stream."""
+        if self.last_gpu_use is not None:
+            stream.wait_event(self.last_gpu_use)
+
+    def wait_for_gpu_use(self):
+        """Blocks the host until no GPU work on the rows is in flight: call
+        it before the CPU reads rows a GPU kernel may write, or writes rows
+        one may read."""
+        event, self.last_gpu_use = self.last_gpu_use, None
+        if event is not None:
+            event.synchronize()

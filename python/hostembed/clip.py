@@ -1,0 +1,50 @@
+"""Gradient clipping that works with row-sparse embedding gradients.
+
+torch.nn.utils.clip_grad_norm_ fails on sparse gradients (linalg_vector_norm
+has no sparse kernel), for torch's own sparse embeddings as well as
+hostembed's. The norm of a coalesced sparse gradient is the norm of its
+values (the rows not present are zero), so clipping needs only its values.
+"""
+import math
+
+import torch
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
+    """torch.nn.utils.clip_grad_norm_ for parameters whose gradients may be
+    sparse COO tensors (hostembed tables, nn.Embedding(sparse=True)).
+
+    The total norm is taken over every gradient together, as torch does,
+    and every gradient is scaled in place by max_norm / (total + 1e-6) when
+    that is below 1. A sparse gradient is coalesced first (duplicate rows,
+    left by several backward() calls, must be summed before a norm is
+    taken). Returns the total norm as a float32 tensor.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    if not params:
+        return torch.tensor(0.0)
+    norms = []
+    for p in params:
+        if p.grad.is_sparse:
+            if not p.grad.is_coalesced():
+                p.grad = p.grad.coalesce()
+            values = p.grad._values()
+        else:
+            values = p.grad
+        norms.append(torch.linalg.vector_norm(values.detach(), norm_type).to(torch.float32).cpu())
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if error_if_nonfinite and not math.isfinite(total.item()):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
+            "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for p in params:
+            target = p.grad._values() if p.grad.is_sparse else p.grad
+            target.mul_(coef.to(device=target.device, dtype=target.dtype))
+    return total

@@ -1,0 +1,307 @@
+"""hostembed.Embedding where real training scripts take nn.Embedding:
+DistributedDataParallel, torch.compile, forked DataLoader workers, weight
+assignments, zero-width tables, impossible sizes, copies, clipping."""
+import copy
+import multiprocessing
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hostembed
+from conftest import pair, zipf_ids
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_is_an_nn_embedding():
+    emb = hostembed.Embedding(10, 3)
+    assert isinstance(emb, nn.Embedding)
+
+
+def test_repr_says_where_the_table_and_outputs_are():
+    model = nn.Sequential(hostembed.Embedding(10000, 16, padding_idx=0), nn.Embedding(5, 2))
+    text = repr(model)
+    assert "hostembed.Embedding(10000, 16, padding_idx=0, sparse=True, table in host memory, outputs on cpu)" in text
+    assert "(1): Embedding(5, 2)" in text
+    assert "outputs on meta" in repr(hostembed.Embedding(3, 2, device="meta"))
+
+
+# ---- DistributedDataParallel
+
+def _ddp_worker(rank, world, init_file, steps, result_file):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    sys.path.insert(0, HERE)
+    from conftest import zipf_ids as ids_of
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(hostembed.Embedding(500, 8), nn.Linear(8, 1))
+        ddp = DistributedDataParallel(model)
+        opt = hostembed.SparseAdam(list(model[0].parameters()), lr=0.05)
+        dense = torch.optim.SGD(model[1].parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            ids = ids_of(500, 64, generator=gen)
+            local = ids.view(world, -1)[rank]
+            loss = ddp(local).pow(2).mean()
+            opt.zero_grad()
+            dense.zero_grad()
+            loss.backward()
+            opt.step()
+            dense.step()
+        torch.save({"weight": model[0].weight.detach().clone(), "linear": model[1].weight.detach().clone()},
+                   result_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_trains_like_one_process_on_the_global_batch(tmp_path):
+    steps, world = 5, 2
+    ctx = torch.multiprocessing.get_context("spawn")
+    files = [str(tmp_path / f"rank{r}.pt") for r in range(world)]
+    procs = [ctx.Process(target=_ddp_worker, args=(r, world, str(tmp_path / "init"), steps, files[r]))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+        assert p.exitcode == 0, f"a DDP rank failed (exit code {p.exitcode})"
+    results = [torch.load(f) for f in files]
+    # Every rank ends with the same table.
+    assert torch.equal(results[0]["weight"], results[1]["weight"])
+
+    # One process over the whole batch: DDP averages the ranks' gradients
+    # of their half-batch means, which is the gradient of the global mean.
+    torch.manual_seed(0)
+    model = nn.Sequential(hostembed.Embedding(500, 8), nn.Linear(8, 1))
+    opt = hostembed.SparseAdam(list(model[0].parameters()), lr=0.05)
+    dense = torch.optim.SGD(model[1].parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    initial = model[0].weight.detach().clone()
+    for _ in range(steps):
+        loss = model(zipf_ids(500, 64, generator=gen)).pow(2).mean()
+        opt.zero_grad()
+        dense.zero_grad()
+        loss.backward()
+        opt.step()
+        dense.step()
+    assert not torch.equal(initial, model[0].weight), "training changed nothing: nothing was compared"
+    # Sums in another order: float32 rounding apart, not more.
+    torch.testing.assert_close(results[0]["weight"], model[0].weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[0]["linear"], model[1].weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+# ---- torch.compile
+
+def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+    def build():
+        torch.manual_seed(0)
+        return nn.ModuleDict({"emb": hostembed.Embedding(300, 8, max_norm=2.0), "head": nn.Linear(8, 1)})
+
+    def loss_of(model, ids):
+        return model["head"](model["emb"](ids)).pow(2).mean()
+
+    eager, compiled = build(), build()
+    step = torch.compile(loss_of, fullgraph=True)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        ids = zipf_ids(300, 40, generator=gen).view(5, 8)
+        expected = loss_of(eager, ids)
+        got = step(compiled, ids)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+        expected.backward()
+        got.backward()
+        g_eager, g_comp = eager["emb"].weight.grad, compiled["emb"].weight.grad
+        assert g_comp.is_sparse
+        torch.testing.assert_close(g_comp.to_dense(), g_eager.to_dense(), rtol=1e-6, atol=1e-7)
+        eager.zero_grad(set_to_none=True)
+        compiled.zero_grad(set_to_none=True)
+    assert torch.equal(eager["emb"].weight, compiled["emb"].weight), "max_norm renormed the same rows"
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
+# ---- forked workers
+
+def _child(conn, what, emb, captured):
+    try:
+        if what == "call":
+            emb(torch.tensor([1, 2]))
+        elif what == "weight":
+            emb.weight[torch.tensor([1, 2])].sum().item()
+        else:
+            captured[torch.tensor([1, 2])].sum().item()
+        conn.send(("no error", ""))
+    except Exception as exc:  # what the child saw, sent to the test
+        conn.send((type(exc).__name__, str(exc)))
+
+
+@pytest.mark.parametrize("what", ["call", "weight", "captured"])
+def test_forked_child_gets_a_clear_error_not_a_crash(what):
+    emb = hostembed.Embedding(100, 4)
+    captured = emb.weight  # a reference taken before the fork
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_child, args=(child, what, emb, captured))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0, f"the forked child died (exit code {proc.exitcode})"
+    kind, message = parent.recv()
+    if what == "captured":
+        # Only the module can say why; a raw tensor is at least never read.
+        assert kind == "IndexError"
+    else:
+        assert kind == "RuntimeError"
+        assert "not inherited by forked processes" in message and "DataLoader" in message
+    # The parent is untouched.
+    assert emb(torch.tensor([1])).shape == (1, 4)
+
+
+class _LookupDataset(torch.utils.data.Dataset):
+    def __init__(self, emb):
+        self.emb = emb
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return self.emb(torch.tensor([i]))
+
+
+def test_dataloader_worker_that_looks_up_raises_the_clear_error():
+    loader = torch.utils.data.DataLoader(_LookupDataset(hostembed.Embedding(10, 2)), num_workers=2,
+                                         multiprocessing_context="fork")
+    with pytest.raises(RuntimeError, match="not inherited by forked processes"):
+        list(loader)
+
+
+# ---- the weight stays the table
+
+def test_assigning_a_non_contiguous_weight_copies_it_into_the_table():
+    emb = hostembed.Embedding(6, 4)
+    new = torch.randn(4, 6).t()  # [6, 4], not contiguous
+    emb.weight.data = new
+    ids = torch.tensor([0, 5, 3])
+    assert torch.equal(emb(ids), F.embedding(ids, new))
+    assert torch.equal(emb.weight, new) and emb.weight.data_ptr() == emb._table.tensor.data_ptr()
+
+
+def test_assigning_a_float64_weight_converts_it():
+    emb = hostembed.Embedding(6, 4)
+    new = torch.randn(6, 4, dtype=torch.float64)
+    emb.weight.data = new
+    ids = torch.tensor([1, 2])
+    assert torch.equal(emb(ids), F.embedding(ids, new.float()))
+    assert emb.weight.dtype == torch.float32
+
+
+def test_assigning_a_new_parameter_keeps_training_in_the_core():
+    emb = hostembed.Embedding(6, 4)
+    new = torch.randn(6, 4)
+    emb.weight = nn.Parameter(new.clone())
+    opt = hostembed.SparseAdam(emb.parameters(), lr=0.1)
+    ref = nn.Embedding.from_pretrained(new.clone(), freeze=False, sparse=True)
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
+    ids = torch.tensor([1, 4, 4])
+    for model, o in ((emb, opt), (ref, ref_opt)):
+        model(ids).sum().backward()
+        o.step()
+    torch.testing.assert_close(emb.weight.detach(), ref.weight.detach(), rtol=0, atol=1e-6)
+
+
+# torch itself refuses integer data for a weight that requires grad: frozen here.
+@pytest.mark.parametrize("bad, frozen", [(torch.randn(5, 4), False), (torch.zeros(6, 4, dtype=torch.long), True)],
+                         ids=["shape", "integer"])
+def test_assigning_what_cannot_be_the_table_is_refused(bad, frozen):
+    emb = hostembed.Embedding(6, 4, _freeze=frozen)
+    before = emb._table.tensor.clone()
+    emb.weight.data = bad
+    with pytest.raises(RuntimeError, match=r"keeps its shape \[6, 4\]"):
+        emb(torch.tensor([0]))
+    assert torch.equal(emb._table.tensor, before), "the table changed"
+
+
+def test_ops_refuse_a_weight_that_is_not_the_table():
+    emb = hostembed.Embedding(6, 4)
+    with pytest.raises(RuntimeError, match="is not one"):
+        hostembed._ops.lookup(torch.randn(6, 4), torch.tensor([0]), -1, None, 2.0, False, True)
+
+
+def test_edited_attributes_do_not_reach_the_core():
+    emb = hostembed.Embedding(8, 4, max_norm=1.0)
+    emb.num_embeddings = 1 << 26  # the core uses the table's own size
+    with pytest.raises(IndexError, match=r"\[0, 8\)"):
+        emb(torch.tensor([9]))
+    assert emb(torch.tensor([7])).shape == (1, 4)
+
+
+# ---- sizes
+
+def test_zero_width_table_trains_like_torch():
+    ref, ours = pair(5, 0, sparse=True)
+    ids = torch.tensor([1, 3, 3])
+    for model in (ref, ours):
+        out = model(ids)
+        assert out.shape == (3, 0)
+        out.sum().backward()
+    assert ours.weight.grad.shape == ref.weight.grad.shape == (5, 0)
+    opt = hostembed.SparseAdam(ours.parameters())
+    opt.step()
+    assert ours.weight.shape == (5, 0)
+
+
+def test_impossible_size_is_a_memory_error_with_the_bytes():
+    with pytest.raises(MemoryError, match=r"\[4611686018427387904, 4\] float32 table \(73786976294838206464 bytes\)"):
+        hostembed.Embedding(2 ** 62, 4)
+
+
+# ---- copies
+
+def test_deepcopy_gets_its_own_table():
+    emb = hostembed.Embedding(10, 3, padding_idx=2)
+    twin = copy.deepcopy(emb)
+    assert isinstance(twin, hostembed.Embedding) and twin.padding_idx == 2
+    assert torch.equal(twin.weight, emb.weight)
+    assert twin.weight.data_ptr() != emb.weight.data_ptr()
+    with torch.no_grad():
+        twin.weight[0] += 1
+    assert not torch.equal(twin.weight, emb.weight)
+    ids = torch.tensor([0, 9])
+    assert torch.equal(twin(ids), F.embedding(ids, twin.weight.detach()))
+
+
+# ---- replace_embeddings
+
+def test_replace_warns_once_per_skipped_module_type():
+    model = nn.Sequential(nn.EmbeddingBag(50, 4), nn.EmbeddingBag(60, 4), nn.Embedding(70, 4))
+    with pytest.warns(UserWarning, match=r"torch.nn.modules.sparse.EmbeddingBag modules are not replaced") as seen:
+        hostembed.replace_embeddings(model)
+    assert len([w for w in seen if "not replaced" in str(w.message)]) == 1
+    assert isinstance(model[2], hostembed.Embedding) and type(model[0]) is nn.EmbeddingBag
+
+
+# ---- clipping sparse gradients
+
+def test_clip_grad_norm_of_sparse_and_dense_gradients_matches_dense_torch():
+    torch.manual_seed(0)
+    emb = hostembed.Embedding(20, 3)
+    lin = nn.Linear(3, 2)
+    ids = torch.tensor([1, 1, 5, 7])
+    lin(emb(ids)).sum().backward()
+    emb(torch.tensor([5, 9])).sum().backward()  # a second backward: an uncoalesced gradient
+    dense = [emb.weight.grad.to_dense().clone(), lin.weight.grad.clone(), lin.bias.grad.clone()]
+    expected_total = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in dense]).double())
+    total = hostembed.clip_grad_norm_([emb.weight, *lin.parameters()], max_norm=0.5)
+    torch.testing.assert_close(total.double(), expected_total, rtol=1e-6, atol=0)
+    scale = 0.5 / (expected_total + 1e-6)
+    for got, before in zip([emb.weight.grad.to_dense(), lin.weight.grad, lin.bias.grad], dense):
+        torch.testing.assert_close(got.double(), before.double() * scale, rtol=1e-6, atol=1e-7)
