@@ -46,7 +46,10 @@ def log(msg: str) -> None:
 
 
 def progress(iterable, desc: str):
-    if _tqdm is None:
+    """A bar on a terminal; nothing in a log file or a pipe, where tqdm's
+    in-place redraws pile up as thousands of '\r' updates (the phase lines
+    the benchmarks print say where a run is)."""
+    if _tqdm is None or not sys.stderr.isatty():
         return iterable
     return _tqdm(iterable, desc=desc, file=sys.stderr, leave=False)
 

@@ -1,25 +1,44 @@
 #!/usr/bin/env bash
 # Everything the GPU path needs checked, on a GPU machine without network:
-# build, GPU tests, the rest of the test suite, compute-sanitizer, the GPU
+# build, GPU tests (twice: the second time without torch's caching
+# allocator), the rest of the test suite, compute-sanitizer, the GPU
 # benchmarks. Logs go to OUTDIR; a short table is printed last.
 #
 #   benchmarks/gpu_check.sh OUTDIR
 #
-# Environment: PYTHON (default python3), ROWS (training benchmark table
-# rows, default 60000000), BUDGET_S (wall-clock budget, default 530: each
-# stage gets at most its own limit and what is left of the budget),
-# SANITIZER (compute-sanitizer's path; default: PATH, then the toolkit's bin).
+# OUTDIR also gets what a reader needs to repeat the numbers:
+#   source.log    the commit, `git status --short`, a hash of the source tree
+#   machine.log   GPU (nvidia-smi), CPU model and cores, memory, kernel,
+#                 memlock limit, huge pages, compilers, Python, torch
+#   commands.log  this script's invocation and every stage's exact command
+#                 with the environment it ran in, in order
+#   summary.log   each stage's command and the last lines of its log
+#   <stage>.log   each stage's whole output
+#
+# Environment: PYTHON (the interpreter's path, default python3), ROWS
+# (training benchmark table rows, default 60000000), BUDGET_S (wall-clock
+# budget, default 530: each stage gets at most its own limit and what is
+# left of the budget), SANITIZER (compute-sanitizer's path; default: PATH,
+# then the toolkit's bin).
 # Exit status: 0 only when every stage ran and passed.
 set -uo pipefail
 OUT=${1:?usage: benchmarks/gpu_check.sh OUTDIR}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-cd "$(dirname "$0")/.."
+mkdir -p "$OUT" || exit 1
+OUT=$(cd "$OUT" && pwd) || exit 1
+cd "$(dirname "$0")/.." || exit 1
+REPO=$(pwd)
 PY=${PYTHON:-python3}
 ROWS=${ROWS:-60000000}
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-530} ))
 STAGES=()
 FAILED=0
+: > "$OUT/summary.log"
+
+# The variables that change what a stage does, as `env` would take them.
+relevant_env() {
+    env | grep -E '^(HOSTEMBED_|PYTORCH_|CUDA_|NVIDIA_|OMP_|MKL_|PYTHONPATH=|PYTHON=|ROWS=|BUDGET_S=|SANITIZER=)' \
+        | LC_ALL=C sort
+}
 
 # run NAME LIMIT_S CMD...: logs to OUT/NAME.log, records status and time.
 run() {
@@ -31,8 +50,15 @@ run() {
     if (( limit < 10 )); then
         STAGES+=("$name|skipped (budget spent)|0")
         FAILED=1
+        echo "# $name: not run (budget spent)" >> "$OUT/commands.log"
         return 1
     fi
+    {
+        echo "# $name (limit ${limit}s, log $name.log), from $REPO, with:"
+        relevant_env | sed 's/^/#   /'
+        printf '%q ' "$@"
+        echo
+    } >> "$OUT/commands.log"
     echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/summary.log"
     timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
     rc=$?
@@ -45,21 +71,98 @@ run() {
     return $rc
 }
 
-{ nvidia-smi; nvcc --version; $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } \
-    > "$OUT/machine.log" 2>&1
+# What was tested. A copied tree (no .git) says so; the hash over the
+# source files then tells two copies apart (and matches between a clone and
+# a copy of the same files). Taken before the build, which adds files.
+{
+    echo "date: $(date -u +%FT%TZ)"
+    echo "repository: $REPO"
+    if git -C "$REPO" rev-parse --git-dir > /dev/null 2>&1; then
+        echo "commit: $(git -C "$REPO" rev-parse HEAD)"
+        git -C "$REPO" log -1 --format='         %cd %s' --date=iso
+        echo "git status --short (nothing below: a clean checkout):"
+        git -C "$REPO" status --short
+        files() { git -C "$REPO" ls-files --cached --others --exclude-standard; }
+    else
+        echo "commit: unknown (not a git checkout: a copy of a working tree)"
+        files() {
+            find . \( -path ./.git -o -path ./build -o -path ./dist -o -path ./.pytest_cache -o -path ./.hypothesis \
+                -o -name __pycache__ -o -name '*.egg-info' \) -prune \
+                -o -type f ! -name '*.so' ! -name '*.o' ! -name '*.pyc' -print | sed 's|^\./||'
+        }
+    fi
+    echo "source tree sha256 (sha256sum of the sorted per-file sums of the files listed below):"
+    files | LC_ALL=C sort | while IFS= read -r f; do [[ -f $f ]] && sha256sum "$f"; done > "$OUT/source_files.sha256"
+    sha256sum < "$OUT/source_files.sha256" | cut -d' ' -f1
+    echo "(per-file sums in source_files.sha256)"
+} > "$OUT/source.log" 2>&1
+
+# Where it ran.
+{
+    echo "## kernel and OS"
+    uname -a
+    grep -E '^PRETTY_NAME=' /etc/os-release 2>/dev/null
+    echo "## CPU"
+    if command -v lscpu > /dev/null; then
+        lscpu | grep -E '^(Model name|Architecture|CPU\(s\)|On-line CPU|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|NUMA node\(s\)|L3 cache|Hypervisor vendor)'
+    else
+        grep -m1 'model name' /proc/cpuinfo
+    fi
+    echo "nproc (CPUs this process may use): $(nproc)"
+    echo "## memory"
+    grep -E '^(MemTotal|MemAvailable|HugePages_Total|Hugepagesize):' /proc/meminfo
+    echo "transparent huge pages: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
+    echo "ulimit -l (locked memory, KiB): $(ulimit -l)"
+    echo "## GPU"
+    nvidia-smi
+    nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max,clocks.max.sm \
+        --format=csv
+    echo "## compilers"
+    nvcc --version
+    gcc --version | head -n 1
+    echo "## Python and torch"
+    echo "PYTHON=$PY -> $(command -v "$PY")"
+    "$PY" --version
+    "$PY" -c "
+import torch
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(),
+      'intra-op threads', torch.get_num_threads())
+if torch.cuda.is_available():
+    print('device', torch.cuda.get_device_name(0), 'capability', torch.cuda.get_device_capability(0))
+else:
+    print('torch sees no GPU')"
+    "$PY" -m pip list 2>/dev/null | grep -i -E '^(torch|numpy|pytest|hypothesis|setuptools|safetensors|tqdm) '
+    echo "## environment"
+    relevant_env
+} > "$OUT/machine.log" 2>&1
+
+{
+    echo "# The run: benchmarks/gpu_check.sh, $(date -u +%FT%TZ). To repeat it from a checkout of the commit"
+    echo "# in source.log:"
+    printf 'cd %q && ' "$REPO"
+    relevant_env | while IFS= read -r kv; do printf '%q ' "$kv"; done
+    printf '%q ' benchmarks/gpu_check.sh "$OUT"
+    echo
+    echo "# Its stages, in order (each run from $REPO):"
+} > "$OUT/commands.log"
 
 # pip first (the way users install). Without network pip cannot fetch the
 # setuptools >= 77 that pyproject.toml's license field needs; if the box's
-# is older, build the extension alone from a copy without pyproject.toml and
-# run everything from the source tree.
+# is older, build the extension alone from a copy of the tree without
+# pyproject.toml and run everything from the source tree. The copy takes
+# every source file (setup.py compiles csrc/, binding/, cuda/ against
+# include/), not a list of directories that goes stale.
 export HOSTEMBED_CUDA=1 HOSTEMBED_WERROR=1
-BUILD_WITHOUT_PYPROJECT='tmp=$(mktemp -d) && mkdir "$tmp"/hostembed && cp -r csrc cuda setup.py "$tmp"/ &&
+# shellcheck disable=SC2016  # expanded by the bash -c below, not here
+BUILD_WITHOUT_PYPROJECT='tmp=$(mktemp -d) && mkdir "$tmp"/hostembed &&
+    tar -cf - --exclude=./.git --exclude=./build --exclude=./dist --exclude=./pyproject.toml --exclude="*.so" \
+        --exclude="*.o" --exclude="*.egg-info" . | tar -xf - -C "$tmp" &&
     (cd "$tmp" && "$0" setup.py build_ext --inplace) && cp "$tmp"/hostembed/_C*.so python/hostembed/'
 BUILT=1
 # A failed attempt that a later one makes good is not a failure of the run.
-if run build 240 $PY -m pip install --no-build-isolation --no-deps -v .; then
+if run build 240 "$PY" -m pip install --no-build-isolation --no-deps -v .; then
     unset PYTHONPATH
-elif run build_inplace 240 $PY setup.py build_ext --inplace; then
+elif run build_inplace 240 "$PY" setup.py build_ext --inplace; then
     export PYTHONPATH=python
 elif run build_without_pyproject 240 bash -c "$BUILD_WITHOUT_PYPROJECT" "$PY"; then
     export PYTHONPATH=python
@@ -75,21 +178,29 @@ fi
 # Everything below would test some other hostembed (an older install) if
 # this tree's build failed.
 if (( BUILT )); then
-    run import 60 $PY -c "import hostembed as h; print(h.__file__, 'cuda_compiled', h.cuda_compiled(), 'cuda_available', h.cuda_available()); assert h.cuda_available()"
-    run gpu_tests 200 $PY -m pytest -q -m gpu -rs -p no:cacheprovider
-    run other_tests 150 $PY -m pytest -q -m "not gpu" -rs -p no:cacheprovider
+    run import 60 "$PY" -c "import hostembed as h; print(h.__file__, 'cuda_compiled', h.cuda_compiled(), 'cuda_available', h.cuda_available()); assert h.cuda_available()"
+    run gpu_tests 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider
+    # The GPU tests again without torch's caching allocator: every output
+    # and workspace is then a fresh cudaMalloc, so a kernel that writes
+    # nothing cannot pass on a buffer an earlier lookup left the right rows
+    # in. The big-table tests (host-memory bound, ~1 min) are left out:
+    # each block of their rows is first read by a lookup of its own, and
+    # their update changes what the later lookups expect.
+    run gpu_tests_no_caching 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+        "$PY" -m pytest -q -m gpu -k "not big_table" -rs -p no:cacheprovider
+    run other_tests 150 "$PY" -m pytest -q -m "not gpu" -rs -p no:cacheprovider
     SANITIZER=${SANITIZER:-$(command -v compute-sanitizer)}
     for dir in "${CUDA_HOME:-/usr/local/cuda}/bin" /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
         [[ -z $SANITIZER && -x $dir/compute-sanitizer ]] && SANITIZER=$dir/compute-sanitizer
     done
     if [[ -n $SANITIZER ]]; then
         run sanitizer 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool memcheck --error-exitcode 1 \
-            --leak-check no $PY benchmarks/gpu_sanitize.py
+            --leak-check no "$PY" benchmarks/gpu_sanitize.py
     else
         STAGES+=("sanitizer|NOT RUN: compute-sanitizer not found (set SANITIZER=path)|0")
         FAILED=1
     fi
-    run benchmark 330 $PY benchmarks/gpu.py --rows "$ROWS" --json "$OUT/gpu.json"
+    run benchmark 330 "$PY" benchmarks/gpu.py --rows "$ROWS" --json "$OUT/gpu.json"
 else
     STAGES+=("everything else|skipped: no build succeeded|0")
     FAILED=1
@@ -98,6 +209,8 @@ fi
 echo
 echo "## gpu_check ($(date -u +%FT%TZ), logs in $OUT)"
 echo
+sed -n '1,3p' "$OUT/source.log"
+echo
 echo "| stage | status | seconds |"
 echo "|---|---|---:|"
 for s in "${STAGES[@]}"; do
@@ -105,9 +218,12 @@ for s in "${STAGES[@]}"; do
     echo "| $name | $status | $secs |"
 done
 echo
-grep -h -E "passed|failed|error" "$OUT/gpu_tests.log" "$OUT/other_tests.log" 2>/dev/null | tail -n 4
+for name in gpu_tests gpu_tests_no_caching other_tests; do
+    # pytest's last line: "3 failed, 80 passed, 2 skipped, ... in 12.01s"
+    [[ -f $OUT/$name.log ]] && echo "$name: $(grep -E '^=* ?[0-9]+ [a-z]+.* in [0-9.]+s' "$OUT/$name.log" | tail -n 1)"
+done
 grep -h "ERROR SUMMARY" "$OUT/sanitizer.log" 2>/dev/null
-[ -f "$OUT/benchmark.log" ] && sed -n '/^## hostembed GPU path/,$p' "$OUT/benchmark.log"
+[[ -f $OUT/benchmark.log ]] && sed -n '/^## hostembed GPU path/,$p' "$OUT/benchmark.log"
 if (( FAILED )); then
     echo "gpu_check: SOME STAGES FAILED OR DID NOT RUN (see the table above and $OUT/*.log)"
     exit 1

@@ -233,7 +233,7 @@ def test_assigning_what_cannot_be_the_table_is_refused(bad, frozen):
 def test_ops_refuse_a_weight_that_is_not_the_table():
     emb = hostembed.Embedding(6, 4)
     with pytest.raises(RuntimeError, match="is not one"):
-        hostembed._ops.lookup(torch.randn(6, 4), torch.tensor([0]), -1, None, 2.0, False, True)
+        hostembed._ops.embedding_lookup(torch.randn(6, 4), torch.tensor([0]), -1, None, 2.0, False, True)
 
 
 def test_edited_attributes_do_not_reach_the_core():

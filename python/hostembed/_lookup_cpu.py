@@ -5,7 +5,7 @@ from ._ids import prepare_ids
 
 
 def lookup(module, ids):
-    out = _ops.lookup(module.weight, prepare_ids(ids), _padding(module), _max_norm(module), float(module.norm_type),
+    out = _ops.embedding_lookup(module.weight, prepare_ids(ids), _padding(module), _max_norm(module), float(module.norm_type),
                       module.scale_grad_by_freq, module.sparse)
     if module.output_device.type != "cpu":
         out = out.to(module.output_device)

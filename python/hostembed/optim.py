@@ -141,9 +141,9 @@ class SparseAdam(torch.optim.SparseAdam):
             torch.cuda.synchronize(twin.device)
             start = time.perf_counter()
         if on_gpu:
-            _ops.gpu_sparse_adam_(p, exp_avg, exp_avg_sq, twin.indices, twin.values, **hyper)
+            _ops.gpu_adam_update(p, exp_avg, exp_avg_sq, twin.indices, twin.values, **hyper)
         else:
-            _ops.sparse_adam_(p, exp_avg, exp_avg_sq, indices, values, **hyper)
+            _ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
         if chooser is not None:
             chooser.record(self._last_update, time.perf_counter() - start)
         self._want_grad_twin(table)
