@@ -19,8 +19,8 @@ Every contender starts from the same weights and trains on the same
 batches. Contenders 2-4 must follow the same loss curve to float rounding,
 or the script fails without reporting timings.
 
-Usage (in-place build):
-    PYTHONPATH=python python3 benchmarks/compare.py [--size default|large|tiny] [--users N --dim D ...]
+Usage (after `pip install .`, or an in-place build with PYTHONPATH=python):
+    python benchmarks/compare.py [--size default|large|tiny] [--users N --dim D ...]
 """
 import argparse
 import gc

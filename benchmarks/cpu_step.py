@@ -13,8 +13,8 @@ embedding's. Before any hostembed step is timed, hostembed is checked against
 torch SparseAdam: the same initial table and the same first batches must give
 the same weights.
 
-Usage (in-place build):
-    PYTHONPATH=python python3 benchmarks/cpu_step.py [--rows 2000000 --dim 128 ...]
+Usage (after `pip install .`, or an in-place build with PYTHONPATH=python):
+    python benchmarks/cpu_step.py [--rows 2000000 --dim 128 ...]
 """
 import argparse
 import gc

@@ -14,8 +14,8 @@
 Every figure is checked first: the gather against the table's rows, and
 (d)'s hostembed against torch after a few steps from the same table.
 
-Usage (in-place build, on a machine with a GPU):
-    PYTHONPATH=python python3 benchmarks/gpu.py [--rows 60000000 --steps 20 ...]
+Usage (on a machine with a GPU, after `pip install .` or an in-place build with PYTHONPATH=python):
+    python benchmarks/gpu.py [--rows 60000000 --steps 20 ...]
 """
 import argparse
 import gc

@@ -18,8 +18,8 @@ Saving (one process holding the table and its Adam state):
 Peak RSS is reported above the process's baseline after `import torch,
 hostembed` (stated separately), in units of the table's bytes.
 
-Usage (in-place build):
-    PYTHONPATH=python python3 benchmarks/load_save.py [--table-gib 4 --dir /tmp/x]
+Usage (after `pip install .`, or an in-place build with PYTHONPATH=python):
+    python benchmarks/load_save.py [--table-gib 4 --dir /tmp/x]
 """
 import argparse
 import json

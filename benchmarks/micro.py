@@ -12,8 +12,8 @@ uniform random ids or rows, drawn untimed before it: repeating the same ones
 would find them in the cache (65,536 rows of D = 16 are 4 MiB). These are
 memory-bound figures, compared with a memory-bound ceiling.
 
-Usage (in-place build):
-    PYTHONPATH=python python3 benchmarks/micro.py [--dims 16,32,64 --unique 1000,10000 ...]
+Usage (after `pip install .`, or an in-place build with PYTHONPATH=python):
+    python benchmarks/micro.py [--dims 16,32,64 --unique 1000,10000 ...]
 """
 import argparse
 import os

@@ -103,14 +103,28 @@ def test_tables_are_not_pinned_until_a_gpu_lookup():
     # A CPU-only user on a GPU box pays nothing: no pinning, no CUDA context.
     # In a fresh process: other tests may have made a context in this one.
     code = """
-import torch, hostembed
+import ctypes, torch, hostembed
 emb = hostembed.Embedding(100, 8)
 opt = hostembed.SparseAdam(emb.parameters())
 emb(torch.tensor([1, 2, 3])).sum().backward()
 opt.step()
-assert not emb._table.registered and not emb.weight.is_pinned()
-assert not opt.state[emb.weight]["exp_avg"].is_pinned()
-assert not torch.cuda.is_initialized(), "a CPU-only table made a CUDA context"
+assert not emb._table.registered
+assert not torch.cuda.is_initialized(), "torch made a CUDA context"
+# The driver's view, before anything below may make one (is_pinned does):
+# no device has an active primary context, whoever would have made it.
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError:
+    cuda = None  # no driver: no context either
+if cuda is not None and cuda.cuInit(0) == 0:
+    count = ctypes.c_int(0)
+    assert cuda.cuDeviceGetCount(ctypes.byref(count)) == 0
+    for ordinal in range(count.value):
+        device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+        assert cuda.cuDeviceGet(ctypes.byref(device), ordinal) == 0
+        assert cuda.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) == 0
+        assert active.value == 0, f"a CUDA context is active on device {ordinal}"
+assert not emb.weight.is_pinned() and not opt.state[emb.weight]["exp_avg"].is_pinned()
 print("ok")
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -305,3 +305,17 @@ def test_clip_grad_norm_of_sparse_and_dense_gradients_matches_dense_torch():
     scale = 0.5 / (expected_total + 1e-6)
     for got, before in zip([emb.weight.grad.to_dense(), lin.weight.grad, lin.bias.grad], dense):
         torch.testing.assert_close(got.double(), before.double() * scale, rtol=1e-6, atol=1e-7)
+
+
+def test_output_can_be_changed_in_place_like_torch():
+    ref, ours = pair(30, 4)
+    ids = torch.tensor([[1, 2], [2, 29]])
+    pos = torch.randn(2, 4)
+    outs = []
+    for model in (ref, ours):
+        x = model(ids)
+        x += pos  # autograd refuses this on a view returned by a Function
+        x.sum().backward()
+        outs.append(x)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(ours.weight.grad.to_dense(), ref.weight.grad.to_dense())

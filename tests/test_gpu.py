@@ -801,3 +801,68 @@ def test_big_table_rows_past_2_31_elements(num_rows, dim):
         # ~26 GB now, not when pytest lets go of the report.
         emb = opt = state = out = None
         gc.collect()
+
+
+def test_compile_fullgraph_on_the_gpu_path_matches_eager():
+    # torch.compile traces the GPU lookup and its backward as custom ops:
+    # one graph, the same outputs and gradients as eager, the kernels ran.
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.ModuleDict({"emb": hostembed.Embedding(300, 8, device="cuda", max_norm=2.0),
+                                    "head": torch.nn.Linear(8, 1).cuda()})
+
+    def loss_of(model, ids):
+        return model["head"](model["emb"](ids)).pow(2).mean()
+
+    eager, compiled = build(), build()
+    step = torch.compile(loss_of, fullgraph=True)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        ids = zipf_ids(300, 40, generator=gen).view(5, 8).cuda()
+        expected = loss_of(eager, ids)
+        got = step(compiled, ids)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+        expected.backward()
+        got.backward()
+        assert compiled["emb"].weight.is_pinned() and compiled["emb"].weight.grad.is_sparse
+        torch.testing.assert_close(compiled["emb"].weight.grad.to_dense(), eager["emb"].weight.grad.to_dense(),
+                                   rtol=1e-6, atol=1e-7)
+        eager.zero_grad(set_to_none=True)
+        compiled.zero_grad(set_to_none=True)
+    assert_kernel_path(eager["emb"])
+    torch.cuda.synchronize()
+    assert torch.equal(eager["emb"].weight, compiled["emb"].weight), "max_norm renormed the same rows"
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def test_table_changed_between_forward_and_backward_like_torch():
+    # torch's nn.Embedding saves only the ids: a change of the weight in
+    # place before backward (another optimizer's step) is allowed.
+    ref, ours = gpu_pair(40, 6)
+    ids = torch.tensor([3, 5, 3], device="cuda")
+    outs = [m(ids) for m in (ref, ours)]
+    assert_kernel_path(ours)
+    with torch.no_grad():
+        ref.weight[7].fill_(1.0)
+        ours.weight[7].fill_(1.0)
+    for out in outs:
+        (out * 2).sum().backward()
+    assert torch.equal(ours.weight.grad.to_dense().cuda(), ref.weight.grad.to_dense())
+
+
+def test_gpu_output_can_be_changed_in_place():
+    ref, ours = gpu_pair(40, 6)
+    ids = torch.tensor([[1, 2], [2, 39]], device="cuda")
+    pos = torch.randn(2, 6, device="cuda")
+    outs = []
+    for model in (ref, ours):
+        x = model(ids)
+        x += pos
+        x.sum().backward()
+        outs.append(x)
+    assert_kernel_path(ours)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(ours.weight.grad.to_dense().cuda(), ref.weight.grad.to_dense())

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import _C
 from ._ids import ID_DTYPES
-from ._table import host_table_of
+from ._table import host_table_of, table_by_handle
 
 CUDA_COMPILED = bool(getattr(_C, "CUDA_COMPILED", False))
 
@@ -96,8 +96,11 @@ def scratch(*shape: int) -> Tensor:
     if numel == 0:
         return torch.empty(shape, dtype=torch.float32)
     buf = _C.HostBuffer(numel * 4, scratch=True)
-    # The buffer may be larger (size classes): view the prefix.
-    return torch.frombuffer(buf, dtype=torch.float32, count=numel).view(shape)
+    # The buffer may be larger (size classes): the prefix, as a tensor of
+    # its own rather than a view (autograd refuses in-place changes of a
+    # view that a Function returns, as `out += pos` is).
+    storage = torch.frombuffer(buf, dtype=torch.float32, count=numel).untyped_storage()
+    return torch.empty(0, dtype=torch.float32).set_(storage, 0, shape)
 
 
 def weight_grad(indices: Tensor, values: Tensor, num_rows: int, dim: int, sparse: bool) -> Tensor:
@@ -257,8 +260,8 @@ def _pinned_rows(table, tensor, device, what):
 
 
 @_custom_op("hostembed::gpu_lookup", mutates_args=())
-def gpu_lookup(weight: Tensor, ids: Tensor, device: torch.device, padding_idx: int, max_norm: Optional[float],
-               norm_type: float, scale_grad_by_freq: bool,
+def gpu_lookup(weight: Tensor, table_handle: int, ids: Tensor, device: torch.device, padding_idx: int,
+               max_norm: Optional[float], norm_type: float, scale_grad_by_freq: bool,
                sparse: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """weight[ids] on `device`, read straight from the pinned table.
 
@@ -266,6 +269,7 @@ def gpu_lookup(weight: Tensor, ids: Tensor, device: torch.device, padding_idx: i
     their offsets into `order` (positions sorted by id), the inverse map
     (position -> unique slot) and, on the CPU, [num_unique, padding_slot].
     Like the CPU op, max_norm renorms the rows in place, undeclared.
+    table_handle names weight's table for the backward (HostTable.handle).
     """
     _need_cuda("a GPU lookup")
     table = host_table_of(weight, "a GPU lookup")
@@ -299,13 +303,16 @@ def gpu_lookup(weight: Tensor, ids: Tensor, device: torch.device, padding_idx: i
         rows = torch.empty(num_unique, dim, dtype=torch.float32, device=device)
         _C.cuda_gather(table=base, dim=dim, rows=_address(unique), count=num_unique, out=_address(rows), **where)
         table.record_gpu_use(stream)
-        out = rows.index_select(0, inverse).view(*ids.shape, dim)
+        # Written through a view into a tensor of its own: the output must
+        # not be a view (see scratch).
+        out = torch.empty(*ids.shape, dim, dtype=torch.float32, device=device)
+        torch.index_select(rows, 0, inverse, out=out.view(count, dim))
     info = torch.tensor([num_unique, padding_slot], dtype=torch.int64)
     return out, unique, offsets, order, inverse, info
 
 
 @gpu_lookup.op.register_fake
-def _(weight, ids, device, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+def _(weight, table_handle, ids, device, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
     count = ids.numel()
     return (torch.empty(*ids.shape, weight.shape[1], dtype=torch.float32, device=device),
             torch.empty(count, dtype=torch.int64, device=device),
@@ -316,18 +323,20 @@ def _(weight, ids, device, padding_idx, max_norm, norm_type, scale_grad_by_freq,
 
 
 @_custom_op("hostembed::gpu_grad_reduce", mutates_args=())
-def gpu_grad_reduce(weight: Tensor, grad: Tensor, unique: Tensor, offsets: Tensor, order: Tensor, inverse: Tensor,
+def gpu_grad_reduce(table_handle: int, grad: Tensor, unique: Tensor, offsets: Tensor, order: Tensor, inverse: Tensor,
                     info: Tensor, scale_grad_by_freq: bool) -> tuple[Tensor, Tensor]:
     """Sums the output gradient per unique id on the GPU in a fixed order
     (no atomics), and returns the sums in pinned host memory: (indices
     [k], values [k, D]), padding_idx's row left out. weight.grad lives on
     the CPU because the weight does (autograd requires it), so backward
     waits for that copy. When the table's optimizer may update on the GPU,
-    the GPU copy is kept on the table too (a "twin" of weight.grad)."""
+    the GPU copy is kept on the table too (a "twin" of weight.grad). The
+    table comes as a handle: a saved weight would make autograd refuse a
+    backward after any in-place change of the table (an optimizer step)."""
     _need_cuda("a GPU backward")
     from ._lookup_gpu import GradTwin
 
-    table = host_table_of(weight, "a GPU backward")
+    table = table_by_handle(table_handle, "a GPU backward")
     device, dim = unique.device, table.dim
     num_unique, padding_slot = info.tolist()
     count = inverse.numel()
@@ -365,30 +374,34 @@ def gpu_grad_reduce(weight: Tensor, grad: Tensor, unique: Tensor, offsets: Tenso
 
 
 @gpu_grad_reduce.op.register_fake
-def _(weight, grad, unique, offsets, order, inverse, info, scale_grad_by_freq):
+def _(table_handle, grad, unique, offsets, order, inverse, info, scale_grad_by_freq):
     kept = torch.library.get_ctx().new_dynamic_size()
     return (torch.empty(kept, dtype=torch.int64, device="cpu"),
-            torch.empty(kept, weight.shape[1], dtype=torch.float32, device="cpu"))
+            torch.empty(kept, grad.shape[-1], dtype=torch.float32, device="cpu"))
 
 
 def _gpu_lookup_setup(ctx, inputs, output):
-    weight, _, _, _, _, _, scale_grad_by_freq, sparse = inputs
+    weight, table_handle, _, _, _, _, _, scale_grad_by_freq, sparse = inputs
     _, unique, offsets, order, inverse, info = output
-    ctx.save_for_backward(weight, unique, offsets, order, inverse, info)
+    ctx.save_for_backward(unique, offsets, order, inverse, info)
     ctx.spec = (scale_grad_by_freq, sparse)
     ctx.table_shape = tuple(weight.shape)
+    ctx.table_handle = table_handle
+    # Only `out` is differentiable: no zero gradients for the index outputs.
+    ctx.set_materialize_grads(False)
 
 
 def _gpu_lookup_backward(reduce):
     def backward(ctx, grad_out, *unused):
-        weight, unique, offsets, order, inverse, info = ctx.saved_tensors
+        unique, offsets, order, inverse, info = ctx.saved_tensors
         scale_grad_by_freq, sparse = ctx.spec
         num_rows, dim = ctx.table_shape
         grad = None
         if ctx.needs_input_grad[0]:
-            indices, values = reduce(weight, grad_out, unique, offsets, order, inverse, info, scale_grad_by_freq)
+            indices, values = reduce(ctx.table_handle, grad_out, unique, offsets, order, inverse, info,
+                                     scale_grad_by_freq)
             grad = weight_grad(indices, values, num_rows, dim, sparse)
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
     return backward
 
 
@@ -396,9 +409,10 @@ gpu_lookup.op.register_autograd(_gpu_lookup_backward(gpu_grad_reduce.op), setup_
 _gpu_lookup_eager = _eager_autograd(gpu_lookup, _gpu_lookup_setup, _gpu_lookup_backward(gpu_grad_reduce))
 
 
-def embedding_gpu_lookup(weight, ids, device, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+def embedding_gpu_lookup(weight, table_handle, ids, device, padding_idx, max_norm, norm_type, scale_grad_by_freq,
+                         sparse):
     """weight[ids] on a GPU, differentiable (see gpu_lookup); returns the output only."""
-    args = (weight, ids, device, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    args = (weight, table_handle, ids, device, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
     outputs = gpu_lookup.op(*args) if torch.compiler.is_compiling() else _gpu_lookup_eager.apply(*args)
     return outputs[0]
 

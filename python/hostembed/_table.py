@@ -28,6 +28,16 @@ _tables = WeakIdKeyDictionary()
 # whatever tensor object torch hands them (the parameter itself in eager
 # mode and, so far, under torch.compile too; an alias of it otherwise).
 _by_address = weakref.WeakValueDictionary()
+# HostTable.handle -> the table, for ops given an int instead of a tensor.
+_by_handle = weakref.WeakValueDictionary()
+
+
+def table_by_handle(handle, what):
+    table = _by_handle.get(handle)
+    if table is None:
+        raise RuntimeError(f"hostembed: {what}: its table no longer exists")
+    table.check_process()
+    return table
 
 
 def table_of(param):
@@ -111,13 +121,18 @@ class HostTable:
         # host address, so a tensor viewing one finds its device address.
         # Weak: a state buffer goes when the optimizer drops it.
         self._buffers = weakref.WeakValueDictionary()
-        self.register_refused = None  # the reason, once CUDA refused to pin a buffer
+        # Host address -> why CUDA refused to pin that buffer: asked once.
+        self._refused = {}
+        # Why CUDA refused to pin the rows themselves (then lookups with GPU
+        # outputs go through the CPU core), or None. A plain attribute:
+        # forward reads it, also under torch.compile.
+        self.register_refused = None
         # torch.cuda.Event after the last GPU work that reads or writes the
         # rows: GPU work on another stream waits for it on the device, CPU
         # code that writes the rows waits for it on the host.
         self.last_gpu_use = None
         # Set by an optimizer that updates on the GPU: backward then keeps
-        # the GPU copy of the reduced gradient (see _gpu.GradTwin).
+        # the GPU copy of the reduced gradient (see _lookup_gpu.GradTwin).
         self.twin_wanted = False
         self.grad_twin = None
         # Where SparseAdam(update="auto") settled for this table.
@@ -126,6 +141,10 @@ class HostTable:
         self.tensor = self.zeros(first_touch=first_touch)
         if self.tensor.numel():
             _by_address[self.tensor.data_ptr()] = self
+        # An int naming this table to ops that cannot take the table (or a
+        # tensor of it, which autograd would version-check) as an argument.
+        self.handle = id(self)
+        _by_handle[self.handle] = self
 
     def zeros(self, *, first_touch=False):
         """A new zeroed [num_rows, dim] float32 buffer of this table (rows or
@@ -162,24 +181,31 @@ class HostTable:
         if buf is None:
             return None
         if buf.device_address is None:
-            if self.register_refused is not None:
+            if base in self._refused:
                 return None
             try:
                 buf.cuda_register(device.index)
             except (RuntimeError, OSError, MemoryError, ValueError) as exc:
-                self.register_refused = str(exc)
+                self._refused[base] = str(exc)
+                rows = base == self._rows_address()
+                if rows:
+                    self.register_refused = str(exc)
                 warnings.warn(
-                    f"hostembed: could not pin {buf.nbytes} bytes of host memory for the GPU ({exc}); the table "
-                    "stays unpinned, and its GPU lookups and updates go through the CPU core and a copy",
+                    f"hostembed: could not pin {buf.nbytes} bytes of host memory for the GPU ({exc}); "
+                    + ("the table stays unpinned, and its GPU lookups and updates go through the CPU core and a "
+                       "copy" if rows else "this optimizer state stays unpinned, and its updates run on the CPU"),
                     RuntimeWarning,
                     stacklevel=4,
                 )
                 return None
         return buf.device_address + (tensor.data_ptr() - base)
 
+    def _rows_address(self):
+        return self.tensor.untyped_storage().data_ptr() if self.tensor.numel() else None
+
     @property
     def registered(self):
-        buf = self._buffers.get(self.tensor.untyped_storage().data_ptr()) if self.tensor.numel() else None
+        buf = self._buffers.get(self._rows_address()) if self.tensor.numel() else None
         return buf is not None and buf.device_address is not None
 
     # ---- ordering GPU work on the rows

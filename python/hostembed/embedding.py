@@ -159,6 +159,7 @@ class Embedding(nn.Embedding):
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         weight = self._parameters["weight"]
+        self._table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
         for key, value in self.__dict__.items():
             if key not in ("_table", "_parameters"):
                 new.__dict__[key] = copy.deepcopy(value, memo)

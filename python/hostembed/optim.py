@@ -35,7 +35,8 @@ class SparseAdam(torch.optim.SparseAdam):
     the first such step); ``"cpu"`` by the core's threads from the pinned
     copy of the gradient; ``"auto"`` (default) times both on the first
     steps of each table (3 counted steps each, after one warm-up) and keeps
-    the faster. All give the same bits. The update is complete in host
+    the faster (its GPU trial pins both moments, which makes them resident,
+    and they stay pinned). All give the same bits. The update is complete in host
     memory when step() returns. Tables with CPU outputs always update on
     the CPU.
     """
