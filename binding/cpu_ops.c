@@ -20,6 +20,7 @@ static he_ids heb_make_ids(const void *data, long long count, int is_int64)
 typedef struct {
     PyObject_HEAD
     he_dedup *d;
+    long long num_rows; /* the range the ids were checked against */
 } heb_dedup;
 
 static PyObject *heb_dedup_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -43,6 +44,7 @@ static PyObject *heb_dedup_new(PyTypeObject *type, PyObject *args, PyObject *kwd
         Py_DECREF(self);
         return heb_raise_status(st);
     }
+    self->num_rows = num_rows;
     return (PyObject *)self;
 }
 
@@ -127,27 +129,28 @@ static PyObject *heb_grad_reduce(PyObject *mod, PyObject *args, PyObject *kwds)
     return PyLong_FromLongLong(written);
 }
 
+/* Takes the batch's Dedup rather than its ids: a training lookup with
+ * max_norm sorts its ids once, for the renorm here and for the backward's
+ * grad_reduce. */
 static PyObject *heb_renorm(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
-    static char *kwlist[] = {"table", "num_rows", "dim", "ids", "count", "ids_int64", "max_norm", "norm_type", NULL};
+    static char *kwlist[] = {"table", "num_rows", "dim", "dedup", "max_norm", "norm_type", NULL};
     HEB_ADDRESS(table);
-    HEB_ADDRESS(ids);
-    long long num_rows, dim, count;
-    int ids_int64;
+    heb_dedup *dedup;
+    long long num_rows, dim;
     double max_norm, norm_type;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LLO&Lpdd:renorm", kwlist, heb_address_converter, &table,
-                                     &num_rows, &dim, heb_address_converter, &ids, &count, &ids_int64, &max_norm,
-                                     &norm_type))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LLO!dd:renorm", kwlist, heb_address_converter, &table,
+                                     &num_rows, &dim, &heb_dedup_type, &dedup, &max_norm, &norm_type))
         return NULL;
-    he_ids view = heb_make_ids(ids.ptr, count, ids_int64);
-    he_dedup *d = NULL;
+    if (dedup->num_rows != num_rows) {
+        PyErr_Format(PyExc_ValueError, "renorm: dedup was built for a table of %lld rows, the table has %lld",
+                     dedup->num_rows, num_rows);
+        return NULL;
+    }
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_dedup_build(&view, num_rows, &d);
-    if (st == HE_OK)
-        st = he_renorm((float *)table.ptr, num_rows, dim, d, max_norm, norm_type);
-    he_dedup_free(d);
+    st = he_renorm((float *)table.ptr, num_rows, dim, dedup->d, max_norm, norm_type);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -194,8 +197,8 @@ static PyMethodDef heb_cpu_methods[] = {
      "Sums the grad rows of each unique id of dedup into values/indices (ascending ids, padding_idx "
      "left out) -> rows written"},
     {"renorm", HEB_KW_FUNC(heb_renorm), METH_VARARGS | METH_KEYWORDS,
-     "renorm($module, /, *, table, num_rows, dim, ids, count, ids_int64, max_norm, norm_type)\n--\n\n"
-     "max_norm in place on the rows ids refer to"},
+     "renorm($module, /, *, table, num_rows, dim, dedup, max_norm, norm_type)\n--\n\n"
+     "max_norm in place on the unique rows of dedup (a Dedup built for num_rows)"},
     {"sparse_adam", HEB_KW_FUNC(heb_sparse_adam), METH_VARARGS | METH_KEYWORDS,
      "sparse_adam($module, /, *, weight, exp_avg, exp_avg_sq, num_rows, dim, indices, values, nnz, lr, beta1, "
      "beta2, eps, step, maximize)\n--\n\n"

@@ -319,3 +319,21 @@ def test_output_can_be_changed_in_place_like_torch():
         outs.append(x)
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(ours.weight.grad.to_dense(), ref.weight.grad.to_dense())
+
+
+def test_max_norm_training_step_sorts_the_ids_once(monkeypatch):
+    real = hostembed._ops._C.Dedup
+    built = []
+
+    def counting(**kwargs):
+        built.append(kwargs["count"])
+        return real(**kwargs)
+
+    monkeypatch.setattr(hostembed._ops._C, "Dedup", counting)
+    ref, ours = pair(50, 4, max_norm=1.0)
+    ids = torch.tensor([3, 7, 3, 49])
+    for model in (ref, ours):
+        model(ids).pow(2).sum().backward()
+    assert built == [4], f"the ids were sorted {len(built)} times"
+    torch.testing.assert_close(ours.weight.grad.to_dense(), ref.weight.grad.to_dense(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.weight.detach(), ref.weight.detach(), rtol=0, atol=1e-6)

@@ -124,15 +124,22 @@ def lookup(weight: Tensor, ids: Tensor, padding_idx: int, max_norm: Optional[flo
     declared, torch.compile would copy the whole table to functionalise it.
     padding_idx (-1: none), scale_grad_by_freq and sparse shape backward.
     """
+    return _lookup_rows(weight, ids, max_norm, norm_type)[0]
+
+
+def _lookup_rows(weight, ids, max_norm, norm_type):
+    """(weight[ids], the ids' Dedup when max_norm sorted them, else None)."""
     table = host_table_of(weight, "a lookup")
     table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
     ids_args = _cpu_ids(ids)
     rows = {"table": _address(weight), "num_rows": table.num_rows, "dim": table.dim}
+    dedup = None
     if max_norm is not None:
-        _C.renorm(**rows, **ids_args, max_norm=float(max_norm), norm_type=float(norm_type))
+        dedup = _C.Dedup(**ids_args, num_rows=table.num_rows)
+        _C.renorm(**rows, dedup=dedup, max_norm=float(max_norm), norm_type=float(norm_type))
     out = scratch(*ids.shape, table.dim)
     _C.gather(**rows, **ids_args, out=_address(out))
-    return out
+    return out, dedup
 
 
 @lookup.op.register_fake
@@ -147,10 +154,16 @@ def grad_reduce(ids: Tensor, grad: Tensor, num_rows: int, padding_idx: int,
     ascending, values float32 [k, D]), padding_idx (-1: none) left out.
     Deterministic for any thread count; an id outside [0, num_rows) raises
     IndexError before anything is written."""
+    return _reduce_rows(ids, grad, num_rows, padding_idx, scale_grad_by_freq)
+
+
+def _reduce_rows(ids, grad, num_rows, padding_idx, scale_grad_by_freq, dedup=None):
+    """grad_reduce, reusing the forward's Dedup of the same ids if given."""
     dim = grad.shape[-1]
     ids = ids.reshape(-1).contiguous()
     rows = _float_rows(grad, ids.numel(), dim, "cpu")
-    dedup = _C.Dedup(**_cpu_ids(ids), num_rows=num_rows)
+    if dedup is None:
+        dedup = _C.Dedup(**_cpu_ids(ids), num_rows=num_rows)
     indices = torch.empty(dedup.num_unique, dtype=torch.int64)
     values = scratch(dedup.num_unique, dim)
     written = _C.grad_reduce(dedup=dedup, grad=_address(rows), dim=dim, padding_idx=padding_idx,
@@ -175,27 +188,43 @@ def _lookup_setup(ctx, inputs, output):
     ctx.spec = (padding_idx, scale_grad_by_freq, sparse)
 
 
-def _lookup_backward(reduce):
-    def backward(ctx, grad_out):
-        (ids,) = ctx.saved_tensors
-        num_rows, dim = ctx.table_shape
-        padding_idx, scale_grad_by_freq, sparse = ctx.spec
-        grad = None
-        if ctx.needs_input_grad[0]:
-            indices, values = reduce(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq)
-            grad = weight_grad(indices, values, num_rows, dim, sparse)
-        return grad, None, None, None, None, None, None
-    return backward
+def _lookup_backward(ctx, grad_out):
+    (ids,) = ctx.saved_tensors
+    num_rows, dim = ctx.table_shape
+    padding_idx, scale_grad_by_freq, sparse = ctx.spec
+    grad = None
+    if ctx.needs_input_grad[0]:
+        dedup = getattr(ctx, "dedup", None)
+        if dedup is not None:  # eager, with max_norm: the forward's sort
+            indices, values = _reduce_rows(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq, dedup)
+        elif torch.compiler.is_compiling():
+            indices, values = grad_reduce.op(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq)
+        else:
+            indices, values = grad_reduce(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq)
+        grad = weight_grad(indices, values, num_rows, dim, sparse)
+    return grad, None, None, None, None, None, None
 
 
-lookup.op.register_autograd(_lookup_backward(grad_reduce.op), setup_context=_lookup_setup)
-_lookup_eager = _eager_autograd(lookup, _lookup_setup, _lookup_backward(grad_reduce))
+lookup.op.register_autograd(_lookup_backward, setup_context=_lookup_setup)
+
+
+class _LookupEager(torch.autograd.Function):
+    """The lookup op's eager twin (see _custom_op); it keeps a max_norm
+    forward's sort of the ids for backward, which then sorts nothing."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+        out, ctx.dedup = _lookup_rows(weight, ids, max_norm, norm_type)
+        _lookup_setup(ctx, (weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse), out)
+        return out
+
+    backward = staticmethod(_lookup_backward)
 
 
 def embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
     """weight[ids] on the CPU, differentiable (see lookup)."""
     args = (weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
-    return lookup.op(*args) if torch.compiler.is_compiling() else _lookup_eager.apply(*args)
+    return lookup.op(*args) if torch.compiler.is_compiling() else _LookupEager.apply(*args)
 
 
 # ---- the optimizer update on the CPU
