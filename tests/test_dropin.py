@@ -337,3 +337,17 @@ def test_max_norm_training_step_sorts_the_ids_once(monkeypatch):
     assert built == [4], f"the ids were sorted {len(built)} times"
     torch.testing.assert_close(ours.weight.grad.to_dense(), ref.weight.grad.to_dense(), rtol=0, atol=1e-6)
     torch.testing.assert_close(ours.weight.detach(), ref.weight.detach(), rtol=0, atol=1e-6)
+
+
+def test_whole_model_torch_save_and_load_gets_a_table(tmp_path):
+    model = nn.Sequential(hostembed.Embedding(10, 3, padding_idx=1), nn.Linear(3, 1))
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    emb = loaded[0]
+    assert isinstance(emb, hostembed.Embedding) and emb.padding_idx == 1
+    assert torch.equal(emb.weight, model[0].weight)
+    assert emb._table.views(emb.weight), "the loaded module's weight is not its host table"
+    opt = hostembed.SparseAdam(emb.parameters())
+    emb(torch.tensor([2, 9])).sum().backward()
+    opt.step()
+    assert not torch.equal(emb.weight, model[0].weight)

@@ -172,6 +172,26 @@ class Embedding(nn.Embedding):
         table.bind(param)
         return new
 
+    def __getstate__(self):
+        # Pickling (torch.save(model), spawn-started workers): the weight
+        # goes as a tensor, the table's memory objects do not; unpickling
+        # builds a new table from it.
+        self._table.wait_for_gpu_use()
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state.pop("_table", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        weight = self._parameters["weight"]
+        table = HostTable(*weight.shape, first_touch=True)
+        copy_rows(table.tensor, weight.detach())
+        param = nn.Parameter(table.tensor, requires_grad=weight.requires_grad)
+        self._parameters["weight"] = param
+        self.__dict__["_table"] = table
+        table.bind(param)
+
     def _apply(self, fn, *args, **kwargs):
         # .to()/.cuda()/.cpu()/.half() arrive here as fn over every tensor.
         # Moving a 50 GB table to the GPU is exactly what this module exists
