@@ -137,11 +137,11 @@ def test_update_mode_is_validated():
         hostembed.SparseAdam(emb.parameters(), update="fast")
 
 
-def test_gpu_update_mode_uses_the_cpu_core_for_cpu_lookups():
+def test_gpu_and_auto_update_modes_use_the_cpu_core_for_cpu_lookups():
     # No GPU twin of the gradient (the lookups ran on the CPU): same bits as
-    # update="cpu".
+    # update="cpu", and nothing for "auto" to time.
     weights = []
-    for update in ("gpu", "cpu"):
+    for update in ("gpu", "auto", "cpu"):
         torch.manual_seed(0)
         emb = hostembed.Embedding(100, 8)
         opt = hostembed.SparseAdam(emb.parameters(), lr=0.1, update=update)
@@ -149,9 +149,9 @@ def test_gpu_update_mode_uses_the_cpu_core_for_cpu_lookups():
             opt.zero_grad()
             emb(torch.randint(0, 100, (64,), generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
             opt.step()
-        assert opt._last_update == "cpu"
+        assert opt._last_update == "cpu" and emb._table.update_chooser is None
         weights.append(emb.weight.detach().clone())
-    assert torch.equal(weights[0], weights[1])
+    assert torch.equal(weights[0], weights[2]) and torch.equal(weights[1], weights[2])
 
 
 def _setuptools_major():

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import hostembed
 from hostembed import _cuda
-from conftest import zipf_ids
+from conftest import compile_matches_eager, zipf_ids
 
 pytestmark = [
     pytest.mark.gpu,
@@ -804,38 +804,12 @@ def test_big_table_rows_past_2_31_elements(num_rows, dim):
 
 
 def test_compile_fullgraph_on_the_gpu_path_matches_eager():
-    # torch.compile traces the GPU lookup and its backward as custom ops:
-    # one graph, the same outputs and gradients as eager, the kernels ran.
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    # torch.compile traces the GPU lookup and its backward as custom ops.
+    def kernels_ran(eager, compiled):
+        assert_kernel_path(eager)
+        assert compiled.weight.is_pinned()
 
-    def build():
-        torch.manual_seed(0)
-        return torch.nn.ModuleDict({"emb": hostembed.Embedding(300, 8, device="cuda", max_norm=2.0),
-                                    "head": torch.nn.Linear(8, 1).cuda()})
-
-    def loss_of(model, ids):
-        return model["head"](model["emb"](ids)).pow(2).mean()
-
-    eager, compiled = build(), build()
-    step = torch.compile(loss_of, fullgraph=True)
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(3):
-        ids = zipf_ids(300, 40, generator=gen).view(5, 8).cuda()
-        expected = loss_of(eager, ids)
-        got = step(compiled, ids)
-        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
-        expected.backward()
-        got.backward()
-        assert compiled["emb"].weight.is_pinned() and compiled["emb"].weight.grad.is_sparse
-        torch.testing.assert_close(compiled["emb"].weight.grad.to_dense(), eager["emb"].weight.grad.to_dense(),
-                                   rtol=1e-6, atol=1e-7)
-        eager.zero_grad(set_to_none=True)
-        compiled.zero_grad(set_to_none=True)
-    assert_kernel_path(eager["emb"])
-    torch.cuda.synchronize()
-    assert torch.equal(eager["emb"].weight, compiled["emb"].weight), "max_norm renormed the same rows"
-    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    compile_matches_eager("cuda", kernels_ran)
 
 
 def test_table_changed_between_forward_and_backward_like_torch():
