@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "he_status.h"
+#include "table.h"
 
 /* Raises the exception for st with the core's message for this thread:
  * NOMEM -> MemoryError, INDEX -> IndexError, VALUE -> ValueError,
@@ -34,6 +35,31 @@ typedef struct heb_address {
  * raises TypeError for a non-int and ValueError for one out of range,
  * naming the argument. */
 int heb_address_converter(PyObject *obj, void *out);
+
+/* A HostBuffer argument (a table, or its optimizer state) and its keyword
+ * name. The ops that read or write a table take the buffer object itself,
+ * never its address, so the size they check a shape against is the one the
+ * buffer was allocated with. Declare with HEB_BUFFER(table) and parse with
+ * "O&" and heb_buffer_converter, &table; the call's arguments keep the
+ * object alive while the GIL is released. */
+typedef struct heb_buffer {
+    const char *name;
+    void *ptr;        /* host address of the first byte */
+    size_t nbytes;
+    void *device_ptr; /* its device address once registered, else NULL */
+    int cuda_device;  /* the device it was registered from, or -1 */
+} heb_buffer;
+
+#define HEB_BUFFER(var) heb_buffer var = {#var, NULL, 0, NULL, -1}
+
+/* PyArg "O&" converter for a heb_buffer: TypeError, naming the argument,
+ * for anything but a hostembed._C.HostBuffer. */
+int heb_buffer_converter(PyObject *obj, void *out);
+
+/* The core's view of a [num_rows, dim] row-major float32 table over the
+ * buffer, checked with he_table_check (the shape must fit the buffer's
+ * bytes): 0, or -1 with ValueError set naming the argument. */
+int heb_buffer_table(const heb_buffer *buf, long long num_rows, long long dim, he_table *out);
 
 /* Registration, called once from PyInit__C: each adds its types and
  * functions to the module; 0 on success, -1 with an exception set. */

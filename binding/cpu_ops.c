@@ -1,5 +1,8 @@
 /* The CPU ops: keyword-only bindings of the core's dedup, gather,
- * grad_reduce, renorm and sparse_adam over host addresses. */
+ * grad_reduce, renorm and sparse_adam. A table (and its optimizer state)
+ * comes as its HostBuffer object, and its shape is checked against the
+ * buffer's size before any work; ids, gradients and outputs (allocated by
+ * the Python layer for the call) come as addresses. */
 #include "binding.h"
 
 #include "dedup.h"
@@ -19,8 +22,7 @@ static he_ids heb_make_ids(const void *data, long long count, int is_int64)
 
 typedef struct {
     PyObject_HEAD
-    he_dedup *d;
-    long long num_rows; /* the range the ids were checked against */
+    he_dedup *d; /* d->num_rows: the range the ids were checked against */
 } heb_dedup;
 
 static PyObject *heb_dedup_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -44,7 +46,6 @@ static PyObject *heb_dedup_new(PyTypeObject *type, PyObject *args, PyObject *kwd
         Py_DECREF(self);
         return heb_raise_status(st);
     }
-    self->num_rows = num_rows;
     return (PyObject *)self;
 }
 
@@ -84,19 +85,22 @@ static PyObject *heb_gather(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
     static char *kwlist[] = {"table", "num_rows", "dim", "ids", "count", "ids_int64", "out", NULL};
-    HEB_ADDRESS(table);
+    HEB_BUFFER(table);
     HEB_ADDRESS(ids);
     HEB_ADDRESS(out);
     long long num_rows, dim, count;
     int ids_int64;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LLO&LpO&:gather", kwlist, heb_address_converter, &table,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LLO&LpO&:gather", kwlist, heb_buffer_converter, &table,
                                      &num_rows, &dim, heb_address_converter, &ids, &count, &ids_int64,
                                      heb_address_converter, &out))
+        return NULL;
+    he_table rows;
+    if (heb_buffer_table(&table, num_rows, dim, &rows) < 0)
         return NULL;
     he_ids view = heb_make_ids(ids.ptr, count, ids_int64);
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_gather((const float *)table.ptr, num_rows, dim, &view, (float *)out.ptr);
+    st = he_gather(&rows, &view, (float *)out.ptr);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -131,26 +135,24 @@ static PyObject *heb_grad_reduce(PyObject *mod, PyObject *args, PyObject *kwds)
 
 /* Takes the batch's Dedup rather than its ids: a training lookup with
  * max_norm sorts its ids once, for the renorm here and for the backward's
- * grad_reduce. */
+ * grad_reduce. The core refuses a Dedup built for another row count. */
 static PyObject *heb_renorm(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
     static char *kwlist[] = {"table", "num_rows", "dim", "dedup", "max_norm", "norm_type", NULL};
-    HEB_ADDRESS(table);
+    HEB_BUFFER(table);
     heb_dedup *dedup;
     long long num_rows, dim;
     double max_norm, norm_type;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LLO!dd:renorm", kwlist, heb_address_converter, &table,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LLO!dd:renorm", kwlist, heb_buffer_converter, &table,
                                      &num_rows, &dim, &heb_dedup_type, &dedup, &max_norm, &norm_type))
         return NULL;
-    if (dedup->num_rows != num_rows) {
-        PyErr_Format(PyExc_ValueError, "renorm: dedup was built for a table of %lld rows, the table has %lld",
-                     dedup->num_rows, num_rows);
+    he_table rows;
+    if (heb_buffer_table(&table, num_rows, dim, &rows) < 0)
         return NULL;
-    }
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_renorm((float *)table.ptr, num_rows, dim, dedup->d, max_norm, norm_type);
+    st = he_renorm(&rows, dedup->d, max_norm, norm_type);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -162,25 +164,28 @@ static PyObject *heb_sparse_adam(PyObject *mod, PyObject *args, PyObject *kwds)
     (void)mod;
     static char *kwlist[] = {"weight", "exp_avg", "exp_avg_sq", "num_rows", "dim", "indices", "values", "nnz",
                              "lr", "beta1", "beta2", "eps", "step", "maximize", NULL};
-    HEB_ADDRESS(weight);
-    HEB_ADDRESS(exp_avg);
-    HEB_ADDRESS(exp_avg_sq);
+    HEB_BUFFER(weight);
+    HEB_BUFFER(exp_avg);
+    HEB_BUFFER(exp_avg_sq);
     HEB_ADDRESS(indices);
     HEB_ADDRESS(values);
     long long num_rows, dim, nnz, step;
     he_adam_params hp;
     int maximize;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&O&O&LLO&O&LddddLp:sparse_adam", kwlist, heb_address_converter,
-                                     &weight, heb_address_converter, &exp_avg, heb_address_converter, &exp_avg_sq,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&O&O&LLO&O&LddddLp:sparse_adam", kwlist, heb_buffer_converter,
+                                     &weight, heb_buffer_converter, &exp_avg, heb_buffer_converter, &exp_avg_sq,
                                      &num_rows, &dim, heb_address_converter, &indices, heb_address_converter,
                                      &values, &nnz, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &step, &maximize))
+        return NULL;
+    he_table w, m, v;
+    if (heb_buffer_table(&weight, num_rows, dim, &w) < 0 || heb_buffer_table(&exp_avg, num_rows, dim, &m) < 0 ||
+        heb_buffer_table(&exp_avg_sq, num_rows, dim, &v) < 0)
         return NULL;
     hp.step = step;
     hp.maximize = maximize;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_sparse_adam((float *)weight.ptr, (float *)exp_avg.ptr, (float *)exp_avg_sq.ptr, num_rows, dim,
-                        (const int64_t *)indices.ptr, (const float *)values.ptr, nnz, &hp);
+    st = he_sparse_adam(&w, &m, &v, (const int64_t *)indices.ptr, (const float *)values.ptr, nnz, &hp);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -190,19 +195,20 @@ static PyObject *heb_sparse_adam(PyObject *mod, PyObject *args, PyObject *kwds)
 static PyMethodDef heb_cpu_methods[] = {
     {"gather", HEB_KW_FUNC(heb_gather), METH_VARARGS | METH_KEYWORDS,
      "gather($module, /, *, table, num_rows, dim, ids, count, ids_int64, out)\n--\n\n"
-     "out[i] = table[ids[i]]; IndexError (out may be written, the table never) for an id outside "
-     "[0, num_rows)"},
+     "out[i] = table[ids[i]] (table: the HostBuffer of the [num_rows, dim] rows; ValueError if they do not "
+     "fit it); IndexError (out may be written, the table never) for an id outside [0, num_rows)"},
     {"grad_reduce", HEB_KW_FUNC(heb_grad_reduce), METH_VARARGS | METH_KEYWORDS,
      "grad_reduce($module, /, *, dedup, grad, dim, padding_idx, scale_grad_by_freq, values, indices)\n--\n\n"
      "Sums the grad rows of each unique id of dedup into values/indices (ascending ids, padding_idx "
      "left out) -> rows written"},
     {"renorm", HEB_KW_FUNC(heb_renorm), METH_VARARGS | METH_KEYWORDS,
      "renorm($module, /, *, table, num_rows, dim, dedup, max_norm, norm_type)\n--\n\n"
-     "max_norm in place on the unique rows of dedup (a Dedup built for num_rows)"},
+     "max_norm in place on the unique rows of dedup (a Dedup built for num_rows) of the table's HostBuffer"},
     {"sparse_adam", HEB_KW_FUNC(heb_sparse_adam), METH_VARARGS | METH_KEYWORDS,
      "sparse_adam($module, /, *, weight, exp_avg, exp_avg_sq, num_rows, dim, indices, values, nnz, lr, beta1, "
      "beta2, eps, step, maximize)\n--\n\n"
-     "torch.optim.SparseAdam's update of rows indices[:nnz] with grad rows values[:nnz], in place"},
+     "torch.optim.SparseAdam's update of rows indices[:nnz] with grad rows values[:nnz], in place; weight, "
+     "exp_avg, exp_avg_sq: HostBuffers of [num_rows, dim] rows each (ValueError if they do not fit)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,8 +1,11 @@
 /* The GPU ops: keyword-only bindings of cuda/he_cuda.h's launchers over
- * addresses of torch CUDA tensors, of registered host memory (device
- * addresses, HostBuffer.device_address), a device index and a stream handle
- * (torch's current_stream().cuda_stream). Built without HE_WITH_CUDA, the
- * module has none of them (the Python layer checks _C.CUDA_COMPILED). */
+ * addresses of torch CUDA tensors, a device index and a stream handle
+ * (torch's current_stream().cuda_stream). The host rows they read or write
+ * (a table, its optimizer state) come as the HostBuffer objects: their
+ * [num_rows, dim] shape is checked against the buffer's size and the buffer
+ * must be registered (cuda_register) before anything is launched; the
+ * kernels get its device address. Built without HE_WITH_CUDA, the module
+ * has none of them (the Python layer checks _C.CUDA_COMPILED). */
 #include "binding.h"
 
 #ifdef HE_WITH_CUDA
@@ -17,6 +20,29 @@ static int heb_check_workspace_bytes(long long workspace_bytes)
         PyErr_Format(PyExc_ValueError, "workspace_bytes must be >= 0, got %lld", workspace_bytes);
         return -1;
     }
+    return 0;
+}
+
+/* The device address of a [num_rows, dim] float32 table in a registered
+ * HostBuffer: ValueError if the shape does not fit the buffer, or if the
+ * buffer is not registered (an empty table needs no registration: NULL,
+ * which no kernel dereferences). 0, or -1 with the exception set. */
+static int heb_device_rows(const heb_buffer *buf, long long num_rows, long long dim, he_table *host,
+                           void **device_rows)
+{
+    *device_rows = NULL;
+    if (heb_buffer_table(buf, num_rows, dim, host) < 0)
+        return -1;
+    if (num_rows == 0 || dim == 0)
+        return 0;
+    if (buf->cuda_device < 0 || buf->device_ptr == NULL) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: the HostBuffer is not registered with CUDA (call its cuda_register first); the kernels "
+                     "read and write host rows only through a registered buffer's device address",
+                     buf->name);
+        return -1;
+    }
+    *device_rows = buf->device_ptr;
     return 0;
 }
 
@@ -75,20 +101,24 @@ static PyObject *heb_cuda_dedup(PyObject *mod, PyObject *args, PyObject *kwds)
 static PyObject *heb_cuda_gather(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
-    static char *kwlist[] = {"table", "dim", "rows", "count", "out", "device", "stream", NULL};
-    HEB_ADDRESS(table);
+    static char *kwlist[] = {"table", "num_rows", "dim", "rows", "count", "out", "device", "stream", NULL};
+    HEB_BUFFER(table);
     HEB_ADDRESS(rows);
     HEB_ADDRESS(out);
     HEB_ADDRESS(stream);
-    long long dim, count;
+    long long num_rows, dim, count;
     int device;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LO&LO&iO&:cuda_gather", kwlist, heb_address_converter, &table,
-                                     &dim, heb_address_converter, &rows, &count, heb_address_converter, &out,
-                                     &device, heb_address_converter, &stream))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LLO&LO&iO&:cuda_gather", kwlist, heb_buffer_converter,
+                                     &table, &num_rows, &dim, heb_address_converter, &rows, &count,
+                                     heb_address_converter, &out, &device, heb_address_converter, &stream))
+        return NULL;
+    he_table host;
+    void *device_rows;
+    if (heb_device_rows(&table, num_rows, dim, &host, &device_rows) < 0)
         return NULL;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_cuda_gather(table.ptr, dim, rows.ptr, count, out.ptr, device, stream.ptr);
+    st = he_cuda_gather((const float *)device_rows, dim, rows.ptr, count, out.ptr, device, stream.ptr);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -98,20 +128,25 @@ static PyObject *heb_cuda_gather(PyObject *mod, PyObject *args, PyObject *kwds)
 static PyObject *heb_cuda_renorm(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
-    static char *kwlist[] = {"table", "dim", "rows", "count", "max_norm", "norm_type", "device", "stream", NULL};
-    HEB_ADDRESS(table);
+    static char *kwlist[] = {"table", "num_rows", "dim", "rows", "count", "max_norm", "norm_type", "device",
+                             "stream", NULL};
+    HEB_BUFFER(table);
     HEB_ADDRESS(rows);
     HEB_ADDRESS(stream);
-    long long dim, count;
+    long long num_rows, dim, count;
     double max_norm, norm_type;
     int device;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LO&LddiO&:cuda_renorm", kwlist, heb_address_converter, &table,
-                                     &dim, heb_address_converter, &rows, &count, &max_norm, &norm_type, &device,
-                                     heb_address_converter, &stream))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LLO&LddiO&:cuda_renorm", kwlist, heb_buffer_converter, &table,
+                                     &num_rows, &dim, heb_address_converter, &rows, &count, &max_norm, &norm_type,
+                                     &device, heb_address_converter, &stream))
+        return NULL;
+    he_table host;
+    void *device_rows;
+    if (heb_device_rows(&table, num_rows, dim, &host, &device_rows) < 0)
         return NULL;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_cuda_renorm(table.ptr, dim, rows.ptr, count, max_norm, norm_type, device, stream.ptr);
+    st = he_cuda_renorm((float *)device_rows, dim, rows.ptr, count, max_norm, norm_type, device, stream.ptr);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -178,29 +213,40 @@ static PyObject *heb_cuda_grad_reduce(PyObject *mod, PyObject *args, PyObject *k
 static PyObject *heb_cuda_sparse_adam(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
-    static char *kwlist[] = {"weight", "exp_avg", "exp_avg_sq", "dim", "indices", "values", "nnz", "lr", "beta1",
-                             "beta2", "eps", "step", "maximize", "device", "stream", NULL};
-    HEB_ADDRESS(weight);
-    HEB_ADDRESS(exp_avg);
-    HEB_ADDRESS(exp_avg_sq);
+    static char *kwlist[] = {"weight", "exp_avg", "exp_avg_sq", "num_rows", "dim", "indices", "values", "nnz",
+                             "lr", "beta1", "beta2", "eps", "step", "maximize", "device", "stream", NULL};
+    HEB_BUFFER(weight);
+    HEB_BUFFER(exp_avg);
+    HEB_BUFFER(exp_avg_sq);
     HEB_ADDRESS(indices);
     HEB_ADDRESS(values);
     HEB_ADDRESS(stream);
-    long long dim, nnz, step;
+    long long num_rows, dim, nnz, step;
     he_adam_params hp;
     int maximize, device;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&O&O&LO&O&LddddLpiO&:cuda_sparse_adam", kwlist,
-                                     heb_address_converter, &weight, heb_address_converter, &exp_avg,
-                                     heb_address_converter, &exp_avg_sq, &dim, heb_address_converter, &indices,
-                                     heb_address_converter, &values, &nnz, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps,
-                                     &step, &maximize, &device, heb_address_converter, &stream))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&O&O&LLO&O&LddddLpiO&:cuda_sparse_adam", kwlist,
+                                     heb_buffer_converter, &weight, heb_buffer_converter, &exp_avg,
+                                     heb_buffer_converter, &exp_avg_sq, &num_rows, &dim, heb_address_converter,
+                                     &indices, heb_address_converter, &values, &nnz, &hp.lr, &hp.beta1, &hp.beta2,
+                                     &hp.eps, &step, &maximize, &device, heb_address_converter, &stream))
         return NULL;
+    he_table hw, hm, hv;
+    void *w, *m, *v;
+    if (heb_device_rows(&weight, num_rows, dim, &hw, &w) < 0 ||
+        heb_device_rows(&exp_avg, num_rows, dim, &hm, &m) < 0 ||
+        heb_device_rows(&exp_avg_sq, num_rows, dim, &hv, &v) < 0)
+        return NULL;
+    /* The kernel reads and writes the three through __restrict__ pointers. */
+    if (he_table_overlap(&hw, &hm) || he_table_overlap(&hw, &hv) || he_table_overlap(&hm, &hv)) {
+        PyErr_SetString(PyExc_ValueError, "cuda_sparse_adam: weight, exp_avg and exp_avg_sq must not share memory");
+        return NULL;
+    }
     hp.step = step;
     hp.maximize = maximize;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_cuda_sparse_adam(weight.ptr, exp_avg.ptr, exp_avg_sq.ptr, dim, indices.ptr, values.ptr, nnz, &hp,
-                             device, stream.ptr);
+    st = he_cuda_sparse_adam((float *)w, (float *)m, (float *)v, dim, indices.ptr, values.ptr, nnz, &hp, device,
+                             stream.ptr);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -216,11 +262,12 @@ static PyMethodDef heb_cuda_methods[] = {
      "offsets, order, inverse, device, stream)\n--\n\n"
      "-> (num_unique, padding_slot); IndexError before any write for a bad id"},
     {"cuda_gather", HEB_KW_FUNC(heb_cuda_gather), METH_VARARGS | METH_KEYWORDS,
-     "cuda_gather($module, /, *, table, dim, rows, count, out, device, stream)\n--\n\n"
-     "out[k] = table[rows[k]]; table: the device address of registered host rows"},
+     "cuda_gather($module, /, *, table, num_rows, dim, rows, count, out, device, stream)\n--\n\n"
+     "out[k] = table[rows[k]]; table: the registered HostBuffer of the [num_rows, dim] rows, rows: in range "
+     "(from cuda_dedup)"},
     {"cuda_renorm", HEB_KW_FUNC(heb_cuda_renorm), METH_VARARGS | METH_KEYWORDS,
-     "cuda_renorm($module, /, *, table, dim, rows, count, max_norm, norm_type, device, stream)\n--\n\n"
-     "max_norm in place on rows[:count] of the registered host table (its device address)"},
+     "cuda_renorm($module, /, *, table, num_rows, dim, rows, count, max_norm, norm_type, device, stream)\n--\n\n"
+     "max_norm in place on rows[:count] of the table (its registered HostBuffer of [num_rows, dim] rows)"},
     {"cuda_grad_reduce_workspace", HEB_KW_FUNC(heb_cuda_grad_reduce_workspace), METH_VARARGS | METH_KEYWORDS,
      "cuda_grad_reduce_workspace($module, /, *, count, num_unique, dim, device)\n--\n\n"
      "Bytes of device scratch for cuda_grad_reduce"},
@@ -229,10 +276,10 @@ static PyMethodDef heb_cuda_methods[] = {
      "padding_slot, scale_grad_by_freq, workspace, workspace_bytes, values, indices, device, stream)\n--\n\n"
      "The coalesced sparse gradient of a lookup from cuda_dedup's outputs, without atomics"},
     {"cuda_sparse_adam", HEB_KW_FUNC(heb_cuda_sparse_adam), METH_VARARGS | METH_KEYWORDS,
-     "cuda_sparse_adam($module, /, *, weight, exp_avg, exp_avg_sq, dim, indices, values, nnz, lr, beta1, beta2, "
-     "eps, step, maximize, device, stream)\n--\n\n"
-     "SparseAdam through mapped memory: weight/exp_avg/exp_avg_sq are device addresses of registered host "
-     "rows; indices unique and in range"},
+     "cuda_sparse_adam($module, /, *, weight, exp_avg, exp_avg_sq, num_rows, dim, indices, values, nnz, lr, "
+     "beta1, beta2, eps, step, maximize, device, stream)\n--\n\n"
+     "SparseAdam through mapped memory: weight/exp_avg/exp_avg_sq are the registered HostBuffers of "
+     "[num_rows, dim] rows each; indices unique and in range"},
     {NULL, NULL, 0, NULL},
 };
 

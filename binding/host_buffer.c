@@ -186,6 +186,33 @@ static PyTypeObject heb_host_buffer_type = {
     .tp_weaklistoffset = offsetof(heb_host_buffer, weakrefs),
 };
 
+int heb_buffer_converter(PyObject *obj, void *out)
+{
+    heb_buffer *b = out;
+    if (!PyObject_TypeCheck(obj, &heb_host_buffer_type)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a hostembed._C.HostBuffer (the table's own memory), got %.100s",
+                     b->name, Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    heb_host_buffer *hb = (heb_host_buffer *)obj;
+    b->ptr = hb->ptr;
+    b->nbytes = hb->nbytes;
+    b->device_ptr = hb->cuda_device >= 0 ? hb->device_ptr : NULL;
+    b->cuda_device = hb->cuda_device;
+    return 1;
+}
+
+int heb_buffer_table(const heb_buffer *buf, long long num_rows, long long dim, he_table *out)
+{
+    *out = he_table_contiguous((float *)buf->ptr, buf->nbytes, (int64_t)num_rows, (int64_t)dim);
+    he_status st = he_table_check(out, buf->name);
+    if (st != HE_OK) {
+        heb_raise_status(st);
+        return -1;
+    }
+    return 0;
+}
+
 int heb_host_buffer_add(PyObject *module)
 {
     if (PyType_Ready(&heb_host_buffer_type) < 0)

@@ -6,9 +6,14 @@
  *   cpu_ops.c     Dedup, gather, grad_reduce, renorm, sparse_adam;
  *   cuda_ops.c    the cuda_* launchers (built with HE_WITH_CUDA only).
  *
- * Every op takes raw addresses and sizes (the Python layer owns the torch
- * tensors and keeps them alive for the call), by keyword only, releases the
- * GIL around the work and turns a he_status into the matching exception.
+ * Every op takes its arguments by keyword only, releases the GIL around the
+ * work and turns a he_status into the matching exception. A table and its
+ * optimizer state (memory the core reads and writes in place) come as their
+ * HostBuffer objects, and the table's shape is checked against the buffer's
+ * own size before any work (he_table_check; for the GPU ops also that the
+ * buffer is registered); everything else (ids, gradients, outputs, the
+ * Python layer's torch tensors, kept alive for the call) comes as raw
+ * addresses and sizes.
  *
  * Adding an op:
  *   1. the work: a core function in csrc/ (returns he_status, never raises)
@@ -16,13 +21,16 @@
  *      both sides use go in include/ (csrc/ and cuda/ never include each
  *      other's headers);
  *   2. a keyword-only binding in cpu_ops.c or cuda_ops.c: "$" first in the
- *      PyArg_ParseTupleAndKeywords format, addresses through HEB_ADDRESS +
- *      "O&" heb_address_converter, sizes "L", flags "p", floats "d", the
- *      call between Py_BEGIN/END_ALLOW_THREADS, heb_raise_status on failure,
- *      and a docstring starting with its text signature;
+ *      PyArg_ParseTupleAndKeywords format, tables through HEB_BUFFER + "O&"
+ *      heb_buffer_converter then heb_buffer_table, other addresses through
+ *      HEB_ADDRESS + "O&" heb_address_converter, sizes "L", flags "p",
+ *      floats "d", the call between Py_BEGIN/END_ALLOW_THREADS,
+ *      heb_raise_status on failure, and a docstring starting with its text
+ *      signature;
  *   3. the torch custom op in python/hostembed/_ops.py, the only Python
  *      caller of _C (schema, fake implementation, autograd; tensors become
- *      addresses there and nowhere else). */
+ *      addresses there and nowhere else, and an op that touches a table
+ *      holds HostTable.lock around the call). */
 #include "binding.h"
 
 #include <limits.h>
@@ -103,7 +111,12 @@ static PyObject *heb_get_num_threads(PyObject *mod, PyObject *unused)
 {
     (void)mod;
     (void)unused;
-    return PyLong_FromLong(he_get_num_threads());
+    int n;
+    /* It waits for a parallel job in flight (the pool's job lock). */
+    Py_BEGIN_ALLOW_THREADS
+    n = he_get_num_threads();
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(n);
 }
 
 static PyObject *heb_empty_cache(PyObject *mod, PyObject *unused)

@@ -109,6 +109,7 @@ he_status he_dedup_build(const he_ids *ids, int64_t num_rows, he_dedup **out)
     int64_t u = 0;
     for (int64_t i = 0; i < n; i++)
         u += (i == 0 || keys[i] != keys[i - 1]);
+    d->num_rows = num_rows;
     d->count = n;
     d->num_unique = u;
     d->unique = malloc((u > 0 ? (size_t)u : 1) * sizeof *d->unique);

@@ -10,6 +10,7 @@
 #include "ids.h"
 
 typedef struct he_dedup {
+    int64_t num_rows;   /* the table size the ids were checked against */
     int64_t count;      /* ids */
     int64_t num_unique;
     int64_t *unique;    /* [num_unique], ascending */

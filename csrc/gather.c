@@ -12,7 +12,7 @@
 
 typedef struct gather_job {
     const float *table;
-    int64_t num_rows, dim;
+    int64_t num_rows, dim, row_stride;
     const he_ids *ids;
     float *out;
     atomic_llong first_bad; /* lowest bad position seen, or INT64_MAX */
@@ -45,12 +45,14 @@ static void gather_range(void *ctx, int64_t begin, int64_t end)
         return;
     }
     size_t row_bytes = (size_t)job->dim * sizeof(float);
+    if (row_bytes == 0)
+        return; /* zero-width rows: nothing to copy (the ids were checked) */
     const float *table = job->table;
-    int64_t dim = job->dim;
+    int64_t dim = job->dim, stride = job->row_stride;
     for (int64_t i = begin; i < end; i++) {
         if (i + HE_PREFETCH_AHEAD < end)
-            he_prefetch_row(table + he_id_at(job->ids, i + HE_PREFETCH_AHEAD) * dim, row_bytes, 0);
-        copy_row(job->out + i * dim, table + he_id_at(job->ids, i) * dim, row_bytes);
+            he_prefetch_row(table + he_id_at(job->ids, i + HE_PREFETCH_AHEAD) * stride, row_bytes, 0);
+        copy_row(job->out + i * dim, table + he_id_at(job->ids, i) * stride, row_bytes);
     }
 #if defined(__SSE2__)
     /* Streaming stores are weakly ordered: make them visible before the
@@ -59,12 +61,15 @@ static void gather_range(void *ctx, int64_t begin, int64_t end)
 #endif
 }
 
-he_status he_gather(const float *table, int64_t num_rows, int64_t dim, const he_ids *ids, float *out)
+he_status he_gather(const he_table *table, const he_ids *ids, float *out)
 {
-    he_status st = he_check_table_shape(num_rows, dim);
+    he_status st = he_table_check(table, "table");
     if (st != HE_OK)
         return st;
-    gather_job job = {table, num_rows, dim, ids, out, INT64_MAX};
+    int64_t num_rows = table->num_rows, dim = table->dim;
+    if (ids->count < 0)
+        return he_fail(HE_ERR_VALUE, "a batch needs count >= 0, got %lld", (long long)ids->count);
+    gather_job job = {table->data, num_rows, dim, table->row_stride, ids, out, INT64_MAX};
     /* ~16 KiB of output per chunk keeps the hand-out cost negligible. */
     int64_t row_bytes = dim * (int64_t)sizeof(float);
     int64_t grain = row_bytes > 0 ? 16384 / row_bytes + 1 : ids->count;

@@ -5,9 +5,12 @@
 #include <stdint.h>
 
 #include "ids.h"
+#include "table.h"
 
-/* Fails with HE_ERR_INDEX naming the first (lowest position) bad id; only
- * `out` may have been written then, never the table. */
-he_status he_gather(const float *table, int64_t num_rows, int64_t dim, const he_ids *ids, float *out);
+/* out: [ids->count, table->dim] floats, row-major. Fails with HE_ERR_VALUE
+ * for a table whose shape does not fit its buffer (he_table_check), before
+ * anything is read; with HE_ERR_INDEX naming the first (lowest position)
+ * bad id; only `out` may have been written then, never the table. */
+he_status he_gather(const he_table *table, const he_ids *ids, float *out);
 
 #endif

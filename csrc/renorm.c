@@ -1,20 +1,40 @@
 #include "renorm.h"
 
+#include <inttypes.h>
 #include <math.h>
 
 #include "ids.h"
 #include "thread_pool.h"
 
 typedef struct renorm_job {
-    float *table;
-    int64_t dim;
+    const he_table *table;
     const he_dedup *d;
     double max_norm, p;
 } renorm_job;
 
+/* A p-norm that neither overflows nor underflows for any p: with m = max|x|,
+ * ||x||_p = m * (sum (|x|/m)^p)^(1/p). Every term is in [0, 1] and the
+ * largest is 1, so the sum is in [1, dim]: |x|^p itself overflows double
+ * for |x| > 10.9 at p = 300 (the row would then get scale 0) and underflows
+ * for small |x|. m == 0 (or only NaN besides zeros) gives 0, m == inf gives
+ * inf; a NaN element makes the sum, and so the norm, NaN (no renorm).
+ * cuda/renorm.cu computes the same expression. */
+static double scaled_p_norm(const float *row, int64_t dim, double p)
+{
+    double m = 0.0;
+    for (int64_t j = 0; j < dim; j++)
+        m = fmax(m, fabs((double)row[j]));
+    if (!(m > 0.0) || isinf(m))
+        return m;
+    double acc = 0.0;
+    for (int64_t j = 0; j < dim; j++)
+        acc += pow(fabs((double)row[j]) / m, p);
+    return m * pow(acc, 1.0 / p);
+}
+
 /* Accumulated in double and rounded to float: torch computes the norm of a
  * float row in float, so the rounded double result is what it would get
- * with an exact sum. */
+ * with an exact sum (and without its overflow: see scaled_p_norm). */
 static float row_norm(const float *row, int64_t dim, double p)
 {
     double acc = 0.0;
@@ -38,36 +58,40 @@ static float row_norm(const float *row, int64_t dim, double p)
             acc += row[j] != 0.0f;
         return (float)acc;
     }
-    for (int64_t j = 0; j < dim; j++)
-        acc += pow(fabs((double)row[j]), p);
-    return (float)pow(acc, 1.0 / p);
+    return (float)scaled_p_norm(row, dim, p);
 }
 
 static void renorm_range(void *ctx, int64_t begin, int64_t end)
 {
     renorm_job *job = ctx;
+    int64_t dim = job->table->dim;
     for (int64_t k = begin; k < end; k++) {
-        float *row = job->table + job->d->unique[k] * job->dim;
-        double norm = row_norm(row, job->dim, job->p);
+        float *row = he_table_row(job->table, job->d->unique[k]);
+        double norm = row_norm(row, dim, job->p);
         if (norm > job->max_norm) {
             float scale = (float)(job->max_norm / (norm + 1e-7));
-            for (int64_t j = 0; j < job->dim; j++)
+            for (int64_t j = 0; j < dim; j++)
                 row[j] *= scale;
         }
     }
 }
 
-he_status he_renorm(float *table, int64_t num_rows, int64_t dim, const he_dedup *d, double max_norm,
-                    double norm_type)
+he_status he_renorm(const he_table *table, const he_dedup *d, double max_norm, double norm_type)
 {
-    he_status st = he_check_table_shape(num_rows, dim);
+    he_status st = he_table_check(table, "table");
     if (st != HE_OK)
         return st;
+    if (d->num_rows != table->num_rows)
+        return he_fail(HE_ERR_VALUE,
+                       "renorm: the ids were checked against a table of %" PRId64 " rows, the table has %" PRId64,
+                       d->num_rows, table->num_rows);
     if (!(norm_type >= 0.0))
         return he_fail(HE_ERR_VALUE, "norm_type must be >= 0 (or inf), got %g", norm_type);
     if (!(max_norm >= 0.0))
         return he_fail(HE_ERR_VALUE, "max_norm must be >= 0, got %g", max_norm);
-    renorm_job job = {table, dim, d, max_norm, norm_type};
-    int64_t grain = dim > 0 ? 8192 / dim + 1 : d->num_unique;
+    if (table->dim == 0)
+        return HE_OK; /* every norm is 0 */
+    renorm_job job = {table, d, max_norm, norm_type};
+    int64_t grain = 8192 / table->dim + 1;
     return he_parallel_for(d->num_unique, grain, renorm_range, &job);
 }

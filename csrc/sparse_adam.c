@@ -12,7 +12,7 @@
 
 typedef struct adam_job {
     float *w, *m, *v;
-    int64_t dim;
+    int64_t dim, w_stride, m_stride, v_stride;
     const int64_t *indices;
     const float *values;
     he_adam_consts c;
@@ -45,13 +45,14 @@ static void adam_range(void *ctx, int64_t begin, int64_t end)
     size_t row_bytes = (size_t)dim * sizeof(float);
     for (int64_t k = begin; k < end; k++) {
         if (k + HE_PREFETCH_AHEAD < end) {
-            int64_t ahead = job->indices[k + HE_PREFETCH_AHEAD] * dim;
-            he_prefetch_row(job->w + ahead, row_bytes, 1);
-            he_prefetch_row(job->m + ahead, row_bytes, 1);
-            he_prefetch_row(job->v + ahead, row_bytes, 1);
+            int64_t ahead = job->indices[k + HE_PREFETCH_AHEAD];
+            he_prefetch_row(job->w + ahead * job->w_stride, row_bytes, 1);
+            he_prefetch_row(job->m + ahead * job->m_stride, row_bytes, 1);
+            he_prefetch_row(job->v + ahead * job->v_stride, row_bytes, 1);
         }
-        int64_t off = job->indices[k] * dim;
-        adam_row(job->w + off, job->m + off, job->v + off, job->values + k * dim, dim, job->c);
+        int64_t r = job->indices[k];
+        adam_row(job->w + r * job->w_stride, job->m + r * job->m_stride, job->v + r * job->v_stride,
+                 job->values + k * dim, dim, job->c);
     }
 }
 
@@ -65,20 +66,50 @@ he_adam_consts he_adam_make_consts(const he_adam_params *hp)
     return c;
 }
 
-static he_status update_rows(float *weight, float *exp_avg, float *exp_avg_sq, int64_t dim,
-                             const int64_t *indices, const float *values, int64_t nnz, const he_adam_params *hp)
+static he_status update_rows(const he_table *w, const he_table *m, const he_table *v, const int64_t *indices,
+                             const float *values, int64_t nnz, const he_adam_params *hp)
 {
-    adam_job job = {weight, exp_avg, exp_avg_sq, dim, indices, values, he_adam_make_consts(hp)};
-    int64_t grain = dim > 0 ? 4096 / dim + 1 : nnz;
+    int64_t dim = w->dim;
+    if (dim == 0)
+        return HE_OK; /* nothing to update (the indices were checked) */
+    adam_job job = {.w = w->data, .m = m->data, .v = v->data, .dim = dim,
+                    .w_stride = w->row_stride, .m_stride = m->row_stride, .v_stride = v->row_stride,
+                    .indices = indices, .values = values, .c = he_adam_make_consts(hp)};
+    int64_t grain = 4096 / dim + 1;
     return he_parallel_for(nnz, grain, adam_range, &job);
 }
 
-he_status he_sparse_adam(float *weight, float *exp_avg, float *exp_avg_sq, int64_t num_rows, int64_t dim,
-                         const int64_t *indices, const float *values, int64_t nnz, const he_adam_params *hp)
+/* The state must have the weight's shape (its own row stride is fine) and
+ * memory of its own: the row update reads and writes w, m and v through
+ * restrict pointers. */
+static he_status check_state(const he_table *w, const he_table *s, const char *what)
 {
-    he_status st = he_check_table_shape(num_rows, dim);
+    he_status st = he_table_check(s, what);
     if (st != HE_OK)
         return st;
+    if (s->num_rows != w->num_rows || s->dim != w->dim)
+        return he_fail(HE_ERR_VALUE, "%s: a [%" PRId64 ", %" PRId64 "] table for a [%" PRId64 ", %" PRId64 "] weight",
+                       what, s->num_rows, s->dim, w->num_rows, w->dim);
+    if (he_table_overlap(s, w))
+        return he_fail(HE_ERR_VALUE, "%s overlaps the weight's memory", what);
+    return HE_OK;
+}
+
+he_status he_sparse_adam(const he_table *weight, const he_table *exp_avg, const he_table *exp_avg_sq,
+                         const int64_t *indices, const float *values, int64_t nnz, const he_adam_params *hp)
+{
+    he_status st = he_table_check(weight, "weight");
+    if (st == HE_OK)
+        st = check_state(weight, exp_avg, "exp_avg");
+    if (st == HE_OK)
+        st = check_state(weight, exp_avg_sq, "exp_avg_sq");
+    if (st == HE_OK && he_table_overlap(exp_avg, exp_avg_sq))
+        st = he_fail(HE_ERR_VALUE, "exp_avg and exp_avg_sq overlap");
+    if (st != HE_OK)
+        return st;
+    int64_t num_rows = weight->num_rows, dim = weight->dim;
+    if (nnz < 0)
+        return he_fail(HE_ERR_VALUE, "a gradient needs nnz >= 0, got %" PRId64, nnz);
     if (hp->step < 1)
         return he_fail(HE_ERR_VALUE, "step must be >= 1, got %" PRId64, hp->step);
     int ascending = 1;
@@ -89,7 +120,7 @@ he_status he_sparse_adam(float *weight, float *exp_avg, float *exp_avg_sq, int64
             ascending = 0;
     }
     if (ascending)
-        return update_rows(weight, exp_avg, exp_avg_sq, dim, indices, values, nnz, hp);
+        return update_rows(weight, exp_avg, exp_avg_sq, indices, values, nnz, hp);
 
     he_dedup *d = NULL;
     int64_t *unique_rows = NULL;
@@ -110,7 +141,7 @@ he_status he_sparse_adam(float *weight, float *exp_avg, float *exp_avg_sq, int64
     he_reduce_opts opts = {-1, 0};
     st = he_grad_reduce(d, values, dim, &opts, sums, unique_rows, &count);
     if (st == HE_OK)
-        st = update_rows(weight, exp_avg, exp_avg_sq, dim, unique_rows, sums, count, hp);
+        st = update_rows(weight, exp_avg, exp_avg_sq, unique_rows, sums, count, hp);
 done:
     he_dedup_free(d);
     free(unique_rows);

@@ -6,10 +6,14 @@
 
 #include "he_adam.h"
 #include "he_status.h"
+#include "table.h"
 
 /* Updates rows indices[0..nnz) of weight, exp_avg and exp_avg_sq ([num_rows,
- * dim] each) with grad rows values[0..nnz): the indices and values of a
- * sparse COO gradient. Indices outside [0, num_rows) are refused before
+ * dim] each, each checked against its buffer with he_table_check, the state
+ * against the weight's shape; row strides may differ) with grad rows
+ * values[0..nnz) ([nnz, dim], row-major): the indices and values of a
+ * sparse COO gradient. A table that does not fit its buffer (HE_ERR_VALUE)
+ * and indices outside [0, num_rows) (HE_ERR_INDEX) are refused before
  * anything is written, so a bad gradient changes nothing. Repeated indices
  * (a gradient accumulated over several backward calls) are summed first, in
  * ascending position order; autograd never marks the gradient it stores as
@@ -25,7 +29,7 @@
  *   u2 = (g*g - v) * (1-b2); v' = v + u2
  *   w' = w + (m' / (sqrt(v') + eps)) * -(lr * sqrt(1-b2^t) / (1-b1^t))
  * with the scalars of he_adam_make_consts (include/he_adam.h). */
-he_status he_sparse_adam(float *weight, float *exp_avg, float *exp_avg_sq, int64_t num_rows, int64_t dim,
+he_status he_sparse_adam(const he_table *weight, const he_table *exp_avg, const he_table *exp_avg_sq,
                          const int64_t *indices, const float *values, int64_t nnz, const he_adam_params *hp);
 
 #endif

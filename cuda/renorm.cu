@@ -3,15 +3,18 @@
  *
  * The same arithmetic as csrc/renorm.c: the norm accumulated in double and
  * rounded to float, scale = (float)(max_norm / (norm + 1e-7)), one float
- * multiply per element. Only the order of the double sum differs (lanes,
- * then a butterfly), which after rounding to float almost never shows. */
+ * multiply per element; for p other than 0, 1, 2 and inf the scaled norm
+ * m * (sum (|x|/m)^p)^(1/p) with m = max|x|, which neither overflows nor
+ * underflows (|x|^300 overflows double for |x| > 10.9). Only the order of
+ * the double sum differs (lanes, then a butterfly), which after rounding to
+ * float almost never shows. */
 #include <math.h>
 
 #include "he_cuda_common.cuh"
 
 enum norm_kind { NORM_2, NORM_1, NORM_INF, NORM_0, NORM_P };
 
-__device__ __forceinline__ double accumulate(double acc, float x, norm_kind kind, double p)
+__device__ __forceinline__ double accumulate(double acc, float x, norm_kind kind)
 {
     double a = fabs((double)x);
     switch (kind) {
@@ -19,8 +22,18 @@ __device__ __forceinline__ double accumulate(double acc, float x, norm_kind kind
     case NORM_1: return acc + a;
     case NORM_INF: return fmax(acc, a);
     case NORM_0: return acc + (x != 0.0f ? 1.0 : 0.0);
-    default: return acc + pow(a, p);
+    default: return acc; /* NORM_P never comes here: renorm_rows sums it scaled */
     }
+}
+
+/* The warp's combined value: every lane ends with it. */
+__device__ __forceinline__ double warp_combine(double acc, bool take_max)
+{
+    for (int offset = HE_CUDA_WARP / 2; offset > 0; offset /= 2) {
+        double other = __shfl_xor_sync(0xffffffffu, acc, offset);
+        acc = take_max ? fmax(acc, other) : acc + other;
+    }
+    return acc;
 }
 
 /* One warp per row; every lane ends with the whole row's value. */
@@ -33,18 +46,29 @@ __global__ void renorm_rows(float *table, int64_t dim, const int64_t *__restrict
      * shuffles below always see every lane. */
     for (int64_t k = he_thread_index() / HE_CUDA_WARP; k < count; k += warps) {
         float *row = table + rows[k] * dim;
-        double acc = 0.0;
-        for (int64_t j = lane; j < dim; j += HE_CUDA_WARP)
-            acc = accumulate(acc, row[j], kind, p);
-        for (int offset = HE_CUDA_WARP / 2; offset > 0; offset /= 2) {
-            double other = __shfl_xor_sync(0xffffffffu, acc, offset);
-            acc = kind == NORM_INF ? fmax(acc, other) : acc + other;
-        }
         float norm;
-        switch (kind) {
-        case NORM_2: norm = (float)sqrt(acc); break;
-        case NORM_P: norm = (float)pow(acc, 1.0 / p); break;
-        default: norm = (float)acc; break;
+        if (kind == NORM_P) {
+            /* m is the same in every lane, so every lane takes the same
+             * branch and the shuffles below see the whole warp. */
+            double m = 0.0;
+            for (int64_t j = lane; j < dim; j += HE_CUDA_WARP)
+                m = fmax(m, fabs((double)row[j]));
+            m = warp_combine(m, true);
+            if (!(m > 0.0) || isinf(m)) {
+                norm = (float)m;
+            } else {
+                double acc = 0.0;
+                for (int64_t j = lane; j < dim; j += HE_CUDA_WARP)
+                    acc += pow(fabs((double)row[j]) / m, p);
+                acc = warp_combine(acc, false);
+                norm = (float)(m * pow(acc, 1.0 / p));
+            }
+        } else {
+            double acc = 0.0;
+            for (int64_t j = lane; j < dim; j += HE_CUDA_WARP)
+                acc = accumulate(acc, row[j], kind);
+            acc = warp_combine(acc, kind == NORM_INF);
+            norm = kind == NORM_2 ? (float)sqrt(acc) : (float)acc;
         }
         if ((double)norm > max_norm) {
             float scale = (float)(max_norm / ((double)norm + 1e-7));
@@ -64,8 +88,8 @@ extern "C" he_status he_cuda_renorm(float *table, int64_t dim, const int64_t *ro
     if (dim < 0 || count < 0)
         return he_fail(HE_ERR_VALUE, "renorm needs dim >= 0 and count >= 0, got %lld and %lld", (long long)dim,
                        (long long)count);
-    if (count == 0)
-        return HE_OK;
+    if (count == 0 || dim == 0)
+        return HE_OK; /* dim 0: every norm is 0, and an empty table has no registered rows */
     he_cuda_device_scope scope;
     he_status st = scope.enter(device);
     if (st != HE_OK)

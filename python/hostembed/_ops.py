@@ -4,7 +4,14 @@ This is the only Python code that calls the extension (_C), and the one
 place where tensors become addresses. Every op checks what it is handed
 (dtype, device, layout, and that a table tensor is exactly the rows of a
 live host table of this process, never a view of something else) before
-calling the core, whose functions take named arguments only.
+calling the core, whose functions take named arguments only. The table and
+its optimizer state go to the core as their HostBuffer objects (never as
+addresses), so the core checks every shape against the memory it is given;
+ids, gradients and outputs go as addresses of tensors held for the call.
+
+Each op that reads or writes a table's rows or state holds the table's lock
+(HostTable.lock) around that work: ops from several Python threads on one
+table run one after another, each whole (the core releases the GIL).
 
 The steps that touch a table are torch.library custom ops (namespace
 ``hostembed``) with fake implementations and registered autograd, so
@@ -130,15 +137,18 @@ def lookup(weight: Tensor, ids: Tensor, padding_idx: int, max_norm: Optional[flo
 def _lookup_rows(weight, ids, max_norm, norm_type):
     """(weight[ids], the ids' Dedup when max_norm sorted them, else None)."""
     table = host_table_of(weight, "a lookup")
-    table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
     ids_args = _cpu_ids(ids)
-    rows = {"table": _address(weight), "num_rows": table.num_rows, "dim": table.dim}
+    # The table's own buffer: host_table_of checked that weight is exactly it.
+    rows = {"table": table.buffer, "num_rows": table.num_rows, "dim": table.dim}
+    out = scratch(*ids.shape, table.dim)
     dedup = None
     if max_norm is not None:
-        dedup = _C.Dedup(**ids_args, num_rows=table.num_rows)
-        _C.renorm(**rows, dedup=dedup, max_norm=float(max_norm), norm_type=float(norm_type))
-    out = scratch(*ids.shape, table.dim)
-    _C.gather(**rows, **ids_args, out=_address(out))
+        dedup = _C.Dedup(**ids_args, num_rows=table.num_rows)  # sorts; reads no rows
+    with table.lock:
+        table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
+        if dedup is not None:
+            _C.renorm(**rows, dedup=dedup, max_norm=float(max_norm), norm_type=float(norm_type))
+        _C.gather(**rows, **ids_args, out=_address(out))
     return out, dedup
 
 
@@ -234,15 +244,46 @@ def sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indices: T
                  beta1: float, beta2: float, eps: float, step: int, maximize: bool) -> None:
     """torch.optim.SparseAdam's update of rows `indices` with gradient rows
     `values`, in place, by the core's threads. Repeated indices are summed
-    first; an index outside the table raises before anything is written."""
+    first; an index outside the table raises before anything is written.
+    exp_avg and exp_avg_sq must be buffers of the weight's table
+    (HostTable.zeros)."""
     table = host_table_of(weight, "SparseAdam")
+    state = _state_buffers(table, exp_avg, exp_avg_sq)
+    indices, values = _row_gradient(table, indices, values, "cpu")
+    with table.lock:
+        table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
+        _C.sparse_adam(weight=table.buffer, **state, num_rows=table.num_rows, dim=table.dim,
+                       indices=_address(indices), values=_address(values), nnz=indices.numel(), lr=lr, beta1=beta1,
+                       beta2=beta2, eps=eps, step=step, maximize=maximize)
+
+
+def _state_buffers(table, exp_avg, exp_avg_sq):
+    """The HostBuffers of the optimizer state, checked to be the table's."""
     _check_state(table, exp_avg, exp_avg_sq)
-    indices = indices.to(device="cpu", dtype=torch.int64).contiguous()
-    values = _float_rows(values, indices.numel(), table.dim, "cpu")
-    table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
-    _C.sparse_adam(weight=_address(weight), exp_avg=_address(exp_avg), exp_avg_sq=_address(exp_avg_sq),
-                   num_rows=table.num_rows, dim=table.dim, indices=_address(indices), values=_address(values),
-                   nnz=indices.numel(), lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, maximize=maximize)
+    return {"exp_avg": table.buffer_of(exp_avg, "SparseAdam's exp_avg"),
+            "exp_avg_sq": table.buffer_of(exp_avg_sq, "SparseAdam's exp_avg_sq")}
+
+
+def _row_gradient(table, indices, values, device):
+    """A row-sparse gradient's (indices, values) as the core reads them:
+    int64 [nnz] and float32 [nnz, dim], contiguous, on `device`. Refuses any
+    other shape (a values tensor with the right number of elements but
+    another shape would otherwise be read as rows) before the core runs."""
+    if indices.dim() != 1 or indices.dtype not in (torch.int64, torch.int32):
+        raise RuntimeError(
+            f"hostembed: SparseAdam needs the gradient's row indices as a 1-D int64 (or int32) tensor, got a "
+            f"{list(indices.shape)} {indices.dtype} tensor"
+        )
+    nnz = indices.numel()
+    if values.dim() != 2 or tuple(values.shape) != (nnz, table.dim) or not values.is_floating_point():
+        raise RuntimeError(
+            f"hostembed: SparseAdam needs the gradient's values as a floating-point [{nnz}, {table.dim}] tensor "
+            f"(one row per index of a [{table.num_rows}, {table.dim}] table), got a {list(values.shape)} "
+            f"{values.dtype} tensor"
+        )
+    indices = indices.to(device=device, dtype=torch.int64).contiguous()
+    values = values.to(device=device, dtype=torch.float32).contiguous()
+    return indices, values
 
 
 @sparse_adam_.op.register_fake
@@ -282,10 +323,12 @@ def _need_cuda(what):
 
 
 def _pinned_rows(table, tensor, device, what):
-    address = table.device_address(tensor, device)
-    if address is None:
+    """The registered HostBuffer that tensor (the rows, or optimizer state)
+    is; the kernels reach it through its device address."""
+    buf = table.pinned_buffer(tensor, device, what)
+    if buf is None:
         raise RuntimeError(f"hostembed: {what}: the host buffer is not pinned for the GPU (CUDA refused it)")
-    return address
+    return buf
 
 
 @_custom_op("hostembed::gpu_lookup", mutates_args=())
@@ -304,7 +347,8 @@ def gpu_lookup(weight: Tensor, table_handle: int, ids: Tensor, device: torch.dev
     table = host_table_of(weight, "a GPU lookup")
     base = _pinned_rows(table, weight, device, "a GPU lookup")
     dim = table.dim
-    with torch.cuda.device(device):
+    rows_of = {"table": base, "num_rows": table.num_rows, "dim": dim}
+    with table.lock, torch.cuda.device(device):
         stream = torch.cuda.current_stream(device)
         # contiguous(): reshape(-1) is a view wherever it can be, and a 1-D
         # view may be strided (ids[::2]) or expanded (stride 0); the kernels
@@ -325,12 +369,12 @@ def gpu_lookup(weight: Tensor, table_handle: int, ids: Tensor, device: torch.dev
             inverse=_address(inverse), **where)
         if max_norm is not None:
             # In place before the gather, outside autograd (as torch does).
-            _C.cuda_renorm(table=base, dim=dim, rows=_address(unique), count=num_unique, max_norm=float(max_norm),
+            _C.cuda_renorm(**rows_of, rows=_address(unique), count=num_unique, max_norm=float(max_norm),
                            norm_type=float(norm_type), **where)
         # dtype spelled out: the kernels write float32 whatever
         # torch.get_default_dtype() says.
         rows = torch.empty(num_unique, dim, dtype=torch.float32, device=device)
-        _C.cuda_gather(table=base, dim=dim, rows=_address(unique), count=num_unique, out=_address(rows), **where)
+        _C.cuda_gather(**rows_of, rows=_address(unique), count=num_unique, out=_address(rows), **where)
         table.record_gpu_use(stream)
         # Written through a view into a tensor of its own: the output must
         # not be a view (see scratch).
@@ -456,14 +500,19 @@ def gpu_sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indice
     table = host_table_of(weight, "SparseAdam")
     _check_state(table, exp_avg, exp_avg_sq)
     device = values.device
+    if device.type != "cuda" or indices.device != device:
+        raise RuntimeError(f"hostembed: a GPU update needs the gradient's indices and values on one GPU, got "
+                           f"{indices.device} and {device}")
+    indices, values = _row_gradient(table, indices, values, device)
     w, m, v = (_pinned_rows(table, t, device, "SparseAdam") for t in (weight, exp_avg, exp_avg_sq))
-    with torch.cuda.device(device):
+    with table.lock, torch.cuda.device(device):
         stream = torch.cuda.current_stream(device)
         # After any GPU work on the rows (a gather on another stream).
         table.order_after_gpu_use(stream)
-        _C.cuda_sparse_adam(weight=w, exp_avg=m, exp_avg_sq=v, dim=table.dim, indices=_address(indices),
-                            values=_address(values), nnz=indices.numel(), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                            step=step, maximize=maximize, device=device.index, stream=stream.cuda_stream)
+        _C.cuda_sparse_adam(weight=w, exp_avg=m, exp_avg_sq=v, num_rows=table.num_rows, dim=table.dim,
+                            indices=_address(indices), values=_address(values), nnz=indices.numel(), lr=lr,
+                            beta1=beta1, beta2=beta2, eps=eps, step=step, maximize=maximize, device=device.index,
+                            stream=stream.cuda_stream)
         # Done when step() returns, as any optimizer on CPU tensors:
         # state_dict(), torch.save and CPU reads of the weight see the
         # update. The next lookup waits for its dedup anyway, so this wait

@@ -11,6 +11,7 @@ table that only ever produces CPU outputs never pins a page and never
 creates a CUDA context, even on a GPU machine.
 """
 import os
+import threading
 import warnings
 import weakref
 
@@ -117,9 +118,11 @@ class HostTable:
 
     def __init__(self, num_rows, dim, *, first_touch=True):
         self.num_rows, self.dim = num_rows, dim
-        # Every buffer of this table (its rows and its optimizer state), by
-        # host address, so a tensor viewing one finds its device address.
-        # Weak: a state buffer goes when the optimizer drops it.
+        # Every buffer of this table with bytes in it (its rows and its
+        # optimizer state), by host address: the ops hand the core the
+        # buffer object a tensor views, never the tensor's address, so the
+        # core checks the table's shape against the buffer's own size. Weak:
+        # a state buffer goes when the optimizer drops it.
         self._buffers = weakref.WeakValueDictionary()
         # Host address -> why CUDA refused to pin that buffer: asked once.
         self._refused = {}
@@ -137,8 +140,20 @@ class HostTable:
         self.grad_twin = None
         # Where SparseAdam(update="auto") settled for this table.
         self.update_chooser = None
+        # Held by every op around its work on the rows or the state (CPU
+        # core calls, and GPU launches with the waits that order them), so
+        # that each op is atomic relative to the others: a lookup in one
+        # Python thread sees the rows before or after another thread's
+        # optimizer step, never half of it, and two max_norm renorms never
+        # scale the same row at once. The core releases the GIL, so without
+        # it threads would run on the same rows together.
+        self.lock = threading.Lock()
+        # Registration asks CUDA once per buffer, from whichever thread gets
+        # there first (the ops call it holding `lock`, forward without it).
+        self._register_lock = threading.Lock()
         self.pid = os.getpid()
-        self.tensor = self.zeros(first_touch=first_touch)
+        # The rows' buffer, held strongly: the ops pass it to the core.
+        self.buffer, self.tensor = self._new_buffer(first_touch=first_touch)
         if self.tensor.numel():
             _by_address[self.tensor.data_ptr()] = self
         # An int naming this table to ops that cannot take the table (or a
@@ -146,14 +161,17 @@ class HostTable:
         self.handle = id(self)
         _by_handle[self.handle] = self
 
+    def _new_buffer(self, *, first_touch=False):
+        buf = allocate(self.num_rows, self.dim, first_touch=first_touch)
+        if buf.nbytes:
+            self._buffers[buf.address] = buf
+        return buf, host_tensor(buf, self.num_rows, self.dim)
+
     def zeros(self, *, first_touch=False):
         """A new zeroed [num_rows, dim] float32 buffer of this table (rows or
         optimizer state). Without first_touch, pages are backed only once
         written: state of rows never trained costs nothing."""
-        buf = allocate(self.num_rows, self.dim, first_touch=first_touch)
-        if buf.nbytes:
-            self._buffers[buf.address] = buf
-        return host_tensor(buf, self.num_rows, self.dim)
+        return self._new_buffer(first_touch=first_touch)[1]
 
     def bind(self, param):
         """Makes table_of(param) find this table."""
@@ -170,7 +188,60 @@ class HostTable:
                 and tensor.device.type == "cpu" and tensor.is_contiguous()
                 and (tensor.numel() == 0 or tensor.data_ptr() == self.tensor.data_ptr()))
 
+    def owns(self, tensor):
+        """True when tensor is exactly one of this table's buffers (its rows,
+        or optimizer state made by zeros()): [num_rows, dim] float32,
+        row-major, from the buffer's first byte."""
+        if not (tensor.dtype == torch.float32 and tuple(tensor.shape) == (self.num_rows, self.dim)
+                and tensor.device.type == "cpu" and tensor.is_contiguous()):
+            return False
+        return tensor.numel() == 0 or self._buffers.get(tensor.data_ptr()) is not None
+
+    def buffer_of(self, tensor, what):
+        """The HostBuffer that tensor is exactly (see owns), for the core; a
+        RuntimeError naming `what` for any other tensor. An empty table's
+        tensors have no memory: the rows' (empty) buffer stands for them."""
+        if not self.owns(tensor):
+            raise RuntimeError(
+                f"hostembed: {what} of a [{self.num_rows}, {self.dim}] host table must be a float32 CPU tensor "
+                f"of that shape in the table's own host memory, got a {list(tensor.shape)} {tensor.dtype} tensor "
+                f"on {tensor.device}{'' if tensor.is_contiguous() else ', not contiguous'} that is not one"
+            )
+        if tensor.numel() == 0:
+            return self.buffer
+        return self._buffers[tensor.data_ptr()]
+
     # ---- CUDA registration (lazy)
+
+    def _register(self, buf, device):
+        """Pins and maps buf (from `device`'s context) on first use; False
+        when CUDA refused it (warned once)."""
+        if buf.device_address is not None:
+            return True
+        with self._register_lock:
+            return self._register_locked(buf, device)
+
+    def _register_locked(self, buf, device):
+        if buf.device_address is not None:  # another thread did it meanwhile
+            return True
+        if buf.address in self._refused:
+            return False
+        try:
+            buf.cuda_register(device.index)
+        except (RuntimeError, OSError, MemoryError, ValueError) as exc:
+            self._refused[buf.address] = str(exc)
+            rows = buf is self.buffer
+            if rows:
+                self.register_refused = str(exc)
+            warnings.warn(
+                f"hostembed: could not pin {buf.nbytes} bytes of host memory for the GPU ({exc}); "
+                + ("the table stays unpinned, and its GPU lookups and updates go through the CPU core and a "
+                   "copy" if rows else "this optimizer state stays unpinned, and its updates run on the CPU"),
+                RuntimeWarning,
+                stacklevel=6,
+            )
+            return False
+        return True
 
     def device_address(self, tensor, device):
         """The device address of tensor's first element, pinning and mapping
@@ -178,35 +249,21 @@ class HostTable:
         buffer is not ours or CUDA refused to pin it (warned once)."""
         base = tensor.untyped_storage().data_ptr()
         buf = self._buffers.get(base)
-        if buf is None:
+        if buf is None or not self._register(buf, device):
             return None
-        if buf.device_address is None:
-            if base in self._refused:
-                return None
-            try:
-                buf.cuda_register(device.index)
-            except (RuntimeError, OSError, MemoryError, ValueError) as exc:
-                self._refused[base] = str(exc)
-                rows = base == self._rows_address()
-                if rows:
-                    self.register_refused = str(exc)
-                warnings.warn(
-                    f"hostembed: could not pin {buf.nbytes} bytes of host memory for the GPU ({exc}); "
-                    + ("the table stays unpinned, and its GPU lookups and updates go through the CPU core and a "
-                       "copy" if rows else "this optimizer state stays unpinned, and its updates run on the CPU"),
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-                return None
         return buf.device_address + (tensor.data_ptr() - base)
 
-    def _rows_address(self):
-        return self.tensor.untyped_storage().data_ptr() if self.tensor.numel() else None
+    def pinned_buffer(self, tensor, device, what):
+        """buffer_of(tensor), pinned and mapped for `device` (on first use);
+        None when CUDA refused to pin it. An empty table's needs no pinning."""
+        buf = self.buffer_of(tensor, what)
+        if tensor.numel() and not self._register(buf, device):
+            return None
+        return buf
 
     @property
     def registered(self):
-        buf = self._buffers.get(self._rows_address()) if self.tensor.numel() else None
-        return buf is not None and buf.device_address is not None
+        return self.buffer.nbytes > 0 and self.buffer.device_address is not None
 
     # ---- ordering GPU work on the rows
 

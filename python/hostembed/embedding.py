@@ -6,7 +6,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import _lookup_cpu, _lookup_gpu
+from . import _lookup_cpu, _lookup_gpu, _validate
 from ._cuda import require_cuda, resolve_device, unavailable_reason
 from ._files import FileRows, open_table
 from ._stream import copy_rows, read_rows
@@ -225,21 +225,50 @@ class Embedding(nn.Embedding):
         # Always copy into the host table (load_state_dict(assign=True)
         # would otherwise swap it for the caller's tensor), and copy in row
         # chunks so a torch.load(mmap=True) source is never resident whole:
-        # the chunk copy releases the file's pages as it goes. torch's own
-        # code then does the bookkeeping (missing/unexpected keys, shape
-        # errors, hooks) against a source that is the table itself, which
-        # copy_ skips.
-        self._table.wait_for_gpu_use()  # no kernel may still read the rows about to change
+        # the chunk copy releases the file's pages as it goes.
+        #
+        # All or nothing for this module: torch's own code first does the
+        # bookkeeping (missing/unexpected keys, shape errors, hooks) against
+        # a source that is the table itself, which copy_ skips; the rows are
+        # copied only if that found nothing wrong, so emb.load_state_dict(sd)
+        # either loads or raises with the table unchanged. (Inside a larger
+        # model, torch's Module.load_state_dict loads module by module and
+        # raises after the last: a bad entry of another module is found
+        # after this one has loaded, as for any torch module. hostembed.load
+        # checks the whole model first.)
+        odd = [k for k in state_dict if not isinstance(k, str)]
+        if odd:  # torch's own loop would raise AttributeError on k.startswith
+            raise TypeError(f"hostembed.Embedding.load_state_dict: state dict keys must be strings, found "
+                            f"{', '.join(f'{k!r} ({type(k).__name__})' for k in odd[:5])}")
         key = prefix + "weight"
         source = state_dict.get(key)
-        if isinstance(source, torch.Tensor) and source.shape == self.weight.shape and source.is_floating_point() \
-                and source.data_ptr() != self.weight.data_ptr():
-            copy_rows(self.weight.data, source.detach(), desc=f"loading {key}")
-            state_dict = dict(state_dict)
-            state_dict[key] = self.weight.detach()
+        table = self.weight.detach()
+        copy_from = None
+        if isinstance(source, torch.Tensor) and not _validate.same_memory(source, table):
+            problem = _validate.tensor_problem(source, table, key)
+            if problem is None:
+                # A view of the table itself (its transpose, say) is read
+                # whole before the rows it reads are overwritten.
+                copy_from = source.detach().clone() if _validate.shares_memory(source, table) else source
+            elif not problem.startswith(f"'{key}' has shape"):
+                # torch would report a shape mismatch itself (and copy
+                # nothing); anything else it might copy, or fail part way.
+                error_msgs.append(f"While loading {key!r} into a hostembed table: {problem}")
+            if copy_from is not None or not problem.startswith(f"'{key}' has shape"):
+                state_dict = dict(state_dict)
+                state_dict[key] = table
         local_metadata = dict(local_metadata, assign_to_params_buffers=False)
+        errors, unexpected = len(error_msgs), len(unexpected_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        # torch's load_state_dict passes strict=True to every module and
+        # applies its own `strict` to the unexpected keys afterwards.
+        top_strict = _validate.strict_of_running_load()
+        refused = len(error_msgs) > errors or (
+            (strict if top_strict is None else top_strict) and len(unexpected_keys) > unexpected)
+        if copy_from is not None and not refused:
+            self._table.wait_for_gpu_use()  # no kernel may still read the rows about to change
+            copy_rows(self.weight.data, copy_from.detach(), desc=f"loading {key}")
 
     def _get_name(self):
         return "hostembed.Embedding"

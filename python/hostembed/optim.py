@@ -5,13 +5,14 @@ import time
 import torch
 from torch.optim import _functional as torch_functional
 
-from . import _ops
+from . import _ops, _validate
 from ._lookup_gpu import take_grad_twin
 from ._stream import copy_rows
 from ._table import table_of
 from ._update_choice import UpdateChooser
 
 _STATE_TENSORS = ("exp_avg", "exp_avg_sq")
+_STATE_KEYS = ("step",) + _STATE_TENSORS
 
 # Where the update of a table whose gradient came from a GPU lookup runs:
 # "auto" times both on the first steps and keeps the faster (_update_choice.py).
@@ -104,14 +105,23 @@ class SparseAdam(torch.optim.SparseAdam):
         if grad.shape != p.shape:
             raise RuntimeError(f"SparseAdam: gradient of shape {list(grad.shape)} for a parameter of shape {list(p.shape)}")
         if grad.sparse_dim() != 1:
-            # Not row-sparse (e.g. a fully sparse 2-D COO tensor a user built):
-            # rare, so take the simple road to rows.
-            grad = grad.coalesce().to_dense().to_sparse(sparse_dim=1)
+            # A fully sparse COO tensor a user built (sparse_dim=2) lists
+            # elements, and torch's SparseAdam updates only those; the core
+            # updates whole rows, which would move (and decay the moments
+            # of) elements with no gradient. Refused rather than made
+            # row-sparse behind the user's back.
+            raise RuntimeError(
+                f"SparseAdam: a hostembed table takes a row-sparse gradient (sparse_dim=1: indices [1, nnz], "
+                f"values [nnz, {p.shape[1]}]), as its backward makes; got a sparse COO gradient with "
+                f"sparse_dim={grad.sparse_dim()} and dense_dim={grad.dense_dim()}. Its element-wise semantics "
+                "(only the listed elements change) are not supported; to update whole rows instead, pass "
+                "grad.coalesce().to_dense().to_sparse(1)"
+            )
         # Coalesced or not (autograd never marks what it stores as
         # coalesced): the core sums repeated rows itself, after checking the
-        # range and before writing anything.
-        indices = grad._indices()[0].contiguous()
-        values = grad._values().to(torch.float32).contiguous()
+        # range and before writing anything. The op checks the shapes.
+        indices = grad._indices()[0]
+        values = grad._values()
 
         # Taken (and so released) whatever the mode: it holds GPU memory.
         twin = take_grad_twin(table, grad)
@@ -120,6 +130,23 @@ class SparseAdam(torch.optim.SparseAdam):
             exp_avg, exp_avg_sq, step = table.zeros(), table.zeros(), 0
         else:
             exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], int(state["step"])
+            # The core updates the state in the table's own buffers (it takes
+            # the buffer objects, not addresses): moments put into the state
+            # by hand as ordinary tensors are copied into new ones, and kept
+            # in the state only once the step is accepted.
+            def own(tensor):
+                # A [num_rows, dim] floating CPU tensor that is not a buffer
+                # of the table is copied into one; anything else goes to the
+                # op as it is, which refuses it with a message.
+                if table.owns(tensor) or not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() \
+                        or tensor.is_sparse or tensor.device.type != "cpu" \
+                        or tuple(tensor.shape) != (table.num_rows, table.dim):
+                    return tensor
+                copy = table.zeros()
+                copy_rows(copy, tensor.detach())
+                return copy
+
+            exp_avg, exp_avg_sq = own(exp_avg), own(exp_avg_sq)
         beta1, beta2 = group["betas"]
         hyper = {"lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
                  "eps": float(group["eps"]), "step": step + 1, "maximize": bool(group.get("maximize", False))}
@@ -153,36 +180,156 @@ class SparseAdam(torch.optim.SparseAdam):
         self.state[p].update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
 
     def load_state_dict(self, state_dict):
-        self._check_state_shapes(state_dict)
-        super().load_state_dict(state_dict)
-        # torch keeps the loaded tensors; for host tables copy them into
-        # core-owned memory so step() can update them in place.
-        for group in self.param_groups:
-            for p in group["params"]:
-                table = table_of(p)
-                if table is None or p not in self.state:
-                    continue
-                state = self.state[p]
-                for key in _STATE_TENSORS:
-                    if key in state:
-                        own = table.zeros()
-                        # In row chunks: a torch.load(mmap=True) source is
-                        # released as it is copied, never resident whole.
-                        copy_rows(own, state[key], desc=f"loading {key}")
-                        state[key] = own
-                if "step" in state:
-                    state["step"] = int(state["step"])
+        """torch's load_state_dict, all or nothing, with the state of host
+        tables copied into core-owned memory (in row chunks: a
+        torch.load(mmap=True) source is released as it is copied, never
+        resident whole).
 
-    def _check_state_shapes(self, state_dict):
-        """Refuses moments shaped unlike their parameters before anything is
-        loaded (torch does not check this, and would fail later, mid-step)."""
-        saved_state = state_dict.get("state", {})
-        for saved_group, group in zip(state_dict.get("param_groups", []), self.param_groups):
-            for saved_id, p in zip(saved_group["params"], group["params"]):
+        Everything is checked before anything changes: the layout (group
+        count and sizes, parameter ids), each group's hyperparameters the way
+        the constructor checks them (0 <= beta < 1, eps > 0; lr >= 0, since
+        a scheduler may have brought it to 0; maximize a bool), and each
+        parameter's state (empty, or an int step >= 0 and floating moments
+        shaped like the parameter). A refused state dict raises TypeError
+        or ValueError naming the entry, and leaves the optimizer as it was.
+        torch's own load_state_dict checks none of this and fails (or
+        trains to NaN) later.
+
+        The moments of a host table are copied into the optimizer's
+        existing buffers when it has them (no second copy of the state in
+        memory), else into new ones. Only a failure while those in-place
+        copies run (a read error of the source, an interrupt) can leave the
+        optimizer partially loaded: that raises RuntimeError saying so.
+        """
+        plan = _LoadPlan(self, state_dict, "SparseAdam.load_state_dict")
+        plan.stage()
+        plan.copy_in_place()
+        plan.install()
+
+
+def _copy(dst, src, desc):
+    copy_rows(dst, src.detach(), desc=desc)
+
+
+def _reusable(table, tensor):
+    """True when `tensor` is a whole state buffer of `table` (one the core
+    allocated for it, not the rows themselves), which a load may overwrite
+    in place."""
+    if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0 or tensor.dtype != torch.float32 \
+            or tensor.device.type != "cpu" or not tensor.is_contiguous() \
+            or tuple(tensor.shape) != (table.num_rows, table.dim):
+        return False
+    base = tensor.untyped_storage().data_ptr()
+    return base == tensor.data_ptr() and base != table.tensor.data_ptr() and table._buffers.get(base) is not None
+
+
+class _Moment:
+    """One moment of a host table's state: where it comes from and goes."""
+
+    def __init__(self, saved_id, key, source, table, current):
+        self.saved_id, self.key, self.source, self.table = saved_id, key, source, table
+        # The optimizer's own buffer, overwritten in place, or None: a new one.
+        self.destination = current
+        self.in_place = current is not None
+
+
+class _LoadPlan:
+    """A SparseAdam state dict, checked in full, and how it will be installed.
+
+    stage(): allocates the host buffers the load needs and fills those that
+    are new (nothing the optimizer holds changes: a failure drops them);
+    copy_in_place(): overwrites the moments the optimizer already has (a
+    failure there leaves them partially loaded); install(): torch's
+    load_state_dict with the host moments replaced by the filled buffers
+    (everything it reads is checked, so it does not fail half-way).
+    hostembed.load stages every optimizer before any in-place copy.
+    """
+
+    def __init__(self, optimizer, state_dict, where, fill=_copy):
+        self.optimizer, self.where, self.fill = optimizer, where, fill
+        layout = _validate.optimizer_layout(optimizer, state_dict, where)
+        saved_state = state_dict["state"]
+        self.state = {}
+        self.moments = []
+        for index, group, pairs in layout:
+            _validate.check_sparse_adam_group(group, f"{where}: param_groups[{index}]")
+            for saved_id, p in pairs:
+                entry = saved_state.get(saved_id)
+                if not entry:
+                    continue
+                here = f"{where}: state of parameter {saved_id}"
+                if set(entry) != set(_STATE_KEYS):
+                    raise ValueError(f"{here}: expected the keys {list(_STATE_KEYS)} (or an empty state), found "
+                                     f"{sorted(map(repr, entry))}")
+                step = _validate.check_step(entry["step"], here)
                 for key in _STATE_TENSORS:
-                    value = saved_state.get(saved_id, {}).get(key)
-                    if value is not None and tuple(value.shape) != tuple(p.shape):
-                        raise ValueError(
-                            f"SparseAdam.load_state_dict: state '{key}' of parameter {saved_id} has shape "
-                            f"{list(value.shape)}, expected {list(p.shape)} like the parameter"
-                        )
+                    value = entry[key]
+                    try:
+                        _validate.check_moment(value, p, key, here)
+                    except _validate.DoesNotFit:
+                        raise _validate.DoesNotFit(
+                            f"{where}: state '{key}' of parameter {saved_id} has shape {list(value.shape)}, "
+                            f"expected {list(p.shape)} like the parameter") from None
+                table = table_of(p)
+                if table is None:
+                    self.state[saved_id] = entry  # torch's own load casts it
+                    continue
+                # The core keeps an int step and float32 moments in its own memory.
+                self.state[saved_id] = {"step": step}
+                current = optimizer.state.get(p) or {}  # get: the state is a defaultdict
+                for key in _STATE_TENSORS:
+                    mine = current.get(key)
+                    if not _reusable(table, mine) or any(m.destination is mine for m in self.moments):
+                        mine = None
+                    self.moments.append(_Moment(saved_id, key, entry[key], table, mine))
+        # A source that is itself one of the buffers about to be overwritten
+        # (exp_avg and exp_avg_sq swapped) must be read before it is written:
+        # the buffer it is goes to a new one instead.
+        in_place = {m.destination.data_ptr(): m for m in self.moments if m.in_place}
+        for moment in self.moments:
+            source = moment.source
+            if source.device.type == "cpu" and source.numel():
+                target = in_place.get(source.untyped_storage().data_ptr())
+                if target is not None and target is not moment:
+                    target.destination, target.in_place = None, False
+        self.groups = state_dict["param_groups"]
+        self.staged = False
+
+    def stage(self):
+        """Allocates the new buffers, then fills them: a MemoryError or a read
+        error here changes nothing (the new buffers are dropped)."""
+        fresh = [m for m in self.moments if not m.in_place]
+        buffers = [m.table.zeros() for m in fresh]
+        for moment, buffer in zip(fresh, buffers):
+            self.fill(buffer, moment.source, f"loading {moment.key}")
+        for moment, buffer in zip(fresh, buffers):
+            moment.destination = buffer
+        self.staged = True
+
+    def in_place_bytes(self):
+        return sum(m.destination.numel() * 4 for m in self.moments if m.in_place)
+
+    def copy_in_place(self):
+        """Overwrites the moments the optimizer already holds."""
+        done = []
+        for moment in self.moments:
+            if not moment.in_place:
+                continue
+            try:
+                self.fill(moment.destination, moment.source, f"loading {moment.key}")
+            except Exception as exc:
+                raise RuntimeError(
+                    f"{self.where}: copying '{moment.key}' of parameter {moment.saved_id} into the optimizer's "
+                    f"state failed part way ({type(exc).__name__}: {exc}); the optimizer is partially loaded "
+                    f"({', '.join(done + [f'part of {moment.key} of parameter {moment.saved_id}'])} overwritten; "
+                    "hyperparameters and steps unchanged): load a state dict again before stepping"
+                ) from exc
+            done.append(f"{moment.key} of parameter {moment.saved_id}")
+
+    def install(self):
+        if not self.staged:
+            raise RuntimeError("SparseAdam: a load plan must be staged before it is installed")
+        state = {saved_id: dict(entry) for saved_id, entry in self.state.items()}
+        for moment in self.moments:
+            state[moment.saved_id][moment.key] = moment.destination
+        torch.optim.SparseAdam.load_state_dict(self.optimizer, {"state": state, "param_groups": self.groups})

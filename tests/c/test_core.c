@@ -7,13 +7,16 @@
  * the core fail it as well.
  *
  * Build (the pytest wrapper does this):
- *   cc -std=c11 -O1 -g -fsanitize=address,undefined -ffp-contract=off \
- *      -fno-math-errno -pthread -Iinclude -Icsrc tests/c/test_core.c csrc/*.c -lm
+ *   cc -std=c11 -O1 -g -fsanitize=address,undefined -ffp-contract=off
+ *      -fno-math-errno -pthread -Iinclude -Icsrc tests/c/test_core.c csrc/[a-z]*.c -lm
  * -ffp-contract=off matters: the SparseAdam reference below must round every
  * float operation on its own, exactly as the core does.
  *
- * It also runs clean under valgrind (built without sanitizers) and under
- * -fsanitize=thread (simd.h turns target_clones off for sanitizer builds).
+ * tests/test_core_sanitized.py also builds it with -fsanitize=thread and
+ * runs it (the "concurrency" group has several program threads call the
+ * core on several tables at once while another changes the thread count);
+ * simd.h turns target_clones off for sanitizer builds. It runs clean under
+ * valgrind too (built without sanitizers).
  *
  * Output: one line per test group, then exactly "N passed, M failed"; the
  * exit status is non-zero if any check failed. */
@@ -44,6 +47,7 @@
 #include "ids.h"
 #include "renorm.h"
 #include "sparse_adam.h"
+#include "table.h"
 #include "thread_pool.h"
 
 #if defined(__SANITIZE_THREAD__)
@@ -114,6 +118,32 @@ static void *xdup(const void *src, size_t bytes)
     if (bytes)
         memcpy(p, src, bytes);
     return p;
+}
+
+/* A row-major [rows, dim] table over memory of exactly its size. */
+static he_table tab(float *data, int64_t rows, int64_t dim)
+{
+    size_t bytes = rows > 0 && dim > 0 ? (size_t)rows * (size_t)dim * sizeof(float) : 0;
+    return he_table_contiguous(data, bytes, rows, dim);
+}
+
+static he_status gather(float *table, int64_t rows, int64_t dim, const he_ids *ids, float *out)
+{
+    he_table t = tab(table, rows, dim);
+    return he_gather(&t, ids, out);
+}
+
+static he_status renorm(float *table, int64_t rows, int64_t dim, const he_dedup *d, double max_norm, double p)
+{
+    he_table t = tab(table, rows, dim);
+    return he_renorm(&t, d, max_norm, p);
+}
+
+static he_status adam(float *w, float *m, float *v, int64_t rows, int64_t dim, const int64_t *indices,
+                      const float *values, int64_t nnz, const he_adam_params *hp)
+{
+    he_table tw = tab(w, rows, dim), tm = tab(m, rows, dim), tv = tab(v, rows, dim);
+    return he_sparse_adam(&tw, &tm, &tv, indices, values, nnz, hp);
 }
 
 static void set_threads(int n)
@@ -751,7 +781,7 @@ static void test_gather(void)
         for (int is_int64 = 0; is_int64 <= 1; is_int64++) {
             he_ids ids = batch_ids(&b, is_int64);
             memset(out, 0xFF, (size_t)(n * dim) * sizeof *out);
-            CHECK_ST(he_gather(table, num_rows, dim, &ids, out), HE_OK);
+            CHECK_ST(gather(table, num_rows, dim, &ids, out), HE_OK);
             CHECKF(memcmp(out, want, (size_t)(n * dim) * sizeof *out) == 0, "threads %d int%d", threads[t],
                    is_int64 ? 64 : 32);
         }
@@ -761,9 +791,9 @@ static void test_gather(void)
     /* Empty batch; zero-width rows. */
     {
         he_ids ids = {NULL, 0, 1};
-        CHECK_ST(he_gather(table, num_rows, dim, &ids, out), HE_OK);
+        CHECK_ST(gather(table, num_rows, dim, &ids, out), HE_OK);
         he_ids some = batch_ids(&b, 1);
-        CHECK_ST(he_gather(table, num_rows, 0, &some, out), HE_OK);
+        CHECK_ST(gather(table, num_rows, 0, &some, out), HE_OK);
     }
 
     /* Bad ids: many small chunks (dim 4 -> ~1000 rows a chunk), bad ids in
@@ -784,7 +814,7 @@ static void test_gather(void)
             set_threads(threads[t]);
             for (int is_int64 = 0; is_int64 <= 1; is_int64++) {
                 he_ids ids = batch_ids(&bb, is_int64);
-                CHECK_ST(he_gather(table, num_rows, bdim, &ids, bout), HE_ERR_INDEX);
+                CHECK_ST(gather(table, num_rows, bdim, &ids, bout), HE_ERR_INDEX);
                 CHECK_MSG("id -1 at position 40000 ");
                 CHECK_MSG("1000 rows");
             }
@@ -796,18 +826,18 @@ static void test_gather(void)
         batch_finish(&bb);
         for (int is_int64 = 0; is_int64 <= 1; is_int64++) {
             he_ids ids = batch_ids(&bb, is_int64);
-            CHECK_ST(he_gather(table, num_rows, bdim, &ids, bout), HE_ERR_INDEX);
+            CHECK_ST(gather(table, num_rows, bdim, &ids, bout), HE_ERR_INDEX);
             CHECK_MSG("id 1000 at position 0 ");
         }
         /* Zero-width rows still check the ids. */
         he_ids ids = batch_ids(&bb, 1);
-        CHECK_ST(he_gather(table, num_rows, 0, &ids, bout), HE_ERR_INDEX);
+        CHECK_ST(gather(table, num_rows, 0, &ids, bout), HE_ERR_INDEX);
         CHECK_MSG("id 1000 at position 0 ");
         bb.n = 40000; /* only the last id bad now */
         bb.ids64[0] = 0;
         bb.ids64[bb.n - 1] = num_rows;
         ids = batch_ids(&bb, 1);
-        CHECK_ST(he_gather(table, num_rows, bdim, &ids, bout), HE_ERR_INDEX);
+        CHECK_ST(gather(table, num_rows, bdim, &ids, bout), HE_ERR_INDEX);
         CHECK_MSG("id 1000 at position 39999 ");
         bb.n = bn;
         free(bout);
@@ -1063,7 +1093,7 @@ static void test_renorm(void)
         for (size_t t = 0; t < sizeof threads / sizeof *threads; t++) {
             set_threads(threads[t]);
             memcpy(table, before, (size_t)(num_rows * dim) * sizeof *table);
-            CHECK_ST(he_renorm(table, num_rows, dim, d, max_norm, p), HE_OK);
+            CHECK_ST(renorm(table, num_rows, dim, d, max_norm, p), HE_OK);
             if (t > 0) {
                 CHECKF(memcmp(table, first, (size_t)(num_rows * dim) * sizeof *table) == 0,
                        "p %g: threads %d differ from 1", p, threads[t]);
@@ -1103,10 +1133,10 @@ static void test_renorm(void)
 
     /* Bad arguments are refused and change nothing. */
     memcpy(before, table, (size_t)(num_rows * dim) * sizeof *table);
-    CHECK_ST(he_renorm(table, num_rows, dim, d, max_norm, -1.0), HE_ERR_VALUE);
-    CHECK_ST(he_renorm(table, num_rows, dim, d, max_norm, NAN), HE_ERR_VALUE);
-    CHECK_ST(he_renorm(table, num_rows, dim, d, -1.0, 2.0), HE_ERR_VALUE);
-    CHECK_ST(he_renorm(table, num_rows, dim, d, NAN, 2.0), HE_ERR_VALUE);
+    CHECK_ST(renorm(table, num_rows, dim, d, max_norm, -1.0), HE_ERR_VALUE);
+    CHECK_ST(renorm(table, num_rows, dim, d, max_norm, NAN), HE_ERR_VALUE);
+    CHECK_ST(renorm(table, num_rows, dim, d, -1.0, 2.0), HE_ERR_VALUE);
+    CHECK_ST(renorm(table, num_rows, dim, d, NAN, 2.0), HE_ERR_VALUE);
     CHECK(memcmp(before, table, (size_t)(num_rows * dim) * sizeof *table) == 0);
 
     set_threads(1);
@@ -1195,7 +1225,7 @@ static void state_free(adam_state *s)
 static he_status core_adam(adam_state *s, const int64_t *indices, const float *values, int64_t nnz,
                            const he_adam_params *hp)
 {
-    return he_sparse_adam(s->w, s->m, s->v, s->rows, s->dim, indices, values, nnz, hp);
+    return adam(s->w, s->m, s->v, s->rows, s->dim, indices, values, nnz, hp);
 }
 
 /* Coalesces (indices, values): ascending unique ids and, for each, its rows
@@ -1411,13 +1441,13 @@ static void test_negative_shapes(void)
     CHECK_ST(he_dedup_build(&ids, -1, &d), HE_ERR_VALUE);
     CHECK(d == NULL);
     CHECK_MSG("num_rows >= 0");
-    CHECK_ST(he_gather(table, -1, 4, &ids, out), HE_ERR_VALUE);
-    CHECK_ST(he_gather(table, 2, -4, &ids, out), HE_ERR_VALUE);
-    CHECK_ST(he_sparse_adam(table, m, v, -1, 4, id, g, 1, &hp), HE_ERR_VALUE);
+    CHECK_ST(gather(table, -1, 4, &ids, out), HE_ERR_VALUE);
+    CHECK_ST(gather(table, 2, -4, &ids, out), HE_ERR_VALUE);
+    CHECK_ST(adam(table, m, v, -1, 4, id, g, 1, &hp), HE_ERR_VALUE);
     int64_t ok_id[1] = {1};
     he_ids ok = {ok_id, 1, 1};
     CHECK_ST(he_dedup_build(&ok, 2, &d), HE_OK);
-    CHECK_ST(he_renorm(table, -2, 4, d, 1.0, 2.0), HE_ERR_VALUE);
+    CHECK_ST(renorm(table, -2, 4, d, 1.0, 2.0), HE_ERR_VALUE);
     he_reduce_opts opts = {-1, 0};
     int64_t idx_out[1], count = -7;
     CHECK_ST(he_grad_reduce(d, g, -4, &opts, out, idx_out, &count), HE_ERR_VALUE);
@@ -1426,6 +1456,482 @@ static void test_negative_shapes(void)
     for (int i = 0; i < 8; i++)
         CHECK(table[i] == 0.0f && m[i] == 0.0f && v[i] == 0.0f);
     group_end("shapes");
+}
+
+
+/* ------------------------------------------------------------------------ */
+/* Tables checked against their buffers                                     */
+
+/* The entry points that touch a table check its shape against the bytes
+ * they are told it has, before reading or writing anything: a buffer one
+ * float short is refused (and ASan would report the read or write past it
+ * otherwise: the buffers here are malloc'ed to exactly nbytes). */
+static void test_table_bounds(void)
+{
+    group_begin();
+    const int64_t rows = 7, dim = 5;
+    const size_t exact = (size_t)(rows * dim) * sizeof(float);
+    float *w = xmalloc(exact), *m = xmalloc(exact), *v = xmalloc(exact);
+    fill_uniform(w, rows * dim, 1.0, 4.0);
+    memset(m, 0, exact);
+    memset(v, 0, exact);
+    float *w_copy = xdup(w, exact);
+    int64_t id64[3] = {6, 0, 6};
+    he_ids ids = {id64, 3, 1};
+    float out[3 * 5];
+    float g[3 * 5];
+    fill_uniform(g, 3 * dim, -1.0, 1.0);
+    he_adam_params hp = {1e-2, 0.9, 0.999, 1e-8, 1, 0};
+    he_dedup *d = NULL;
+    CHECK_ST(he_dedup_build(&ids, rows, &d), HE_OK);
+    CHECK(d && d->num_rows == rows);
+
+    /* Exactly big enough: fine. */
+    he_table t = he_table_contiguous(w, exact, rows, dim);
+    CHECK_ST(he_table_check(&t, "table"), HE_OK);
+    CHECK_ST(he_gather(&t, &ids, out), HE_OK);
+    CHECK(memcmp(out, w + 6 * dim, (size_t)dim * sizeof *out) == 0);
+
+    /* One float short: every entry point refuses, naming the argument and
+     * the sizes. */
+    he_table short_t = he_table_contiguous(w, exact - sizeof(float), rows, dim);
+    CHECK_ST(he_gather(&short_t, &ids, out), HE_ERR_VALUE);
+    CHECK_MSG("table: a [7, 5] float32 table (row stride 5) needs 140 bytes, but its buffer has 136");
+    CHECK_ST(he_renorm(&short_t, d, 0.1, 2.0), HE_ERR_VALUE);
+    he_table tm = he_table_contiguous(m, exact, rows, dim), tv = he_table_contiguous(v, exact, rows, dim);
+    he_table short_m = he_table_contiguous(m, exact - 1, rows, dim);
+    CHECK_ST(he_sparse_adam(&short_t, &tm, &tv, id64, g, 3, &hp), HE_ERR_VALUE);
+    CHECK_MSG("weight: ");
+    CHECK_ST(he_sparse_adam(&t, &short_m, &tv, id64, g, 3, &hp), HE_ERR_VALUE);
+    CHECK_MSG("exp_avg: ");
+    /* More rows than the buffer holds (what a stale num_rows would ask). */
+    he_table more_rows = he_table_contiguous(w, exact, rows + 1, dim);
+    CHECK_ST(he_gather(&more_rows, &ids, out), HE_ERR_VALUE);
+    /* A shape whose byte count overflows 64 bits. */
+    he_table huge = he_table_contiguous(w, exact, INT64_MAX, 4);
+    CHECK_ST(he_table_check(&huge, "table"), HE_ERR_VALUE);
+    CHECK_MSG("needs more than");
+    huge = (he_table){w, exact, 2, 1, INT64_MAX};
+    CHECK_ST(he_table_check(&huge, "table"), HE_ERR_VALUE);
+    /* A row stride shorter than a row; NULL or misaligned rows. */
+    he_table overlapping_rows = {w, exact, rows, dim, dim - 1};
+    CHECK_ST(he_table_check(&overlapping_rows, "table"), HE_ERR_VALUE);
+    CHECK_MSG("shorter than a row");
+    he_table null_rows = he_table_contiguous(NULL, exact, rows, dim);
+    CHECK_ST(he_table_check(&null_rows, "table"), HE_ERR_VALUE);
+    he_table misaligned = he_table_contiguous((float *)((char *)w + 1), exact - 4, 1, 1);
+    CHECK_ST(he_table_check(&misaligned, "table"), HE_ERR_VALUE);
+    CHECK_MSG("aligned");
+    /* Empty tables need no bytes at all. */
+    he_table empty = he_table_contiguous(NULL, 0, 0, dim);
+    CHECK_ST(he_table_check(&empty, "table"), HE_OK);
+    empty = he_table_contiguous(NULL, 0, rows, 0);
+    CHECK_ST(he_table_check(&empty, "table"), HE_OK);
+
+    /* A Dedup built for another row count: renorm refuses it. */
+    he_table fewer = he_table_contiguous(w, exact, rows - 1, dim);
+    CHECK_ST(he_renorm(&fewer, d, 0.1, 2.0), HE_ERR_VALUE);
+    CHECK_MSG("checked against a table of 7 rows, the table has 6");
+
+    /* State shaped unlike the weight, or sharing its memory. */
+    he_table m_wrong = he_table_contiguous(m, exact, rows, dim - 1);
+    CHECK_ST(he_sparse_adam(&t, &m_wrong, &tv, id64, g, 3, &hp), HE_ERR_VALUE);
+    CHECK_MSG("exp_avg: a [7, 4] table for a [7, 5] weight");
+    CHECK_ST(he_sparse_adam(&t, &t, &tv, id64, g, 3, &hp), HE_ERR_VALUE);
+    CHECK_MSG("exp_avg overlaps the weight");
+    CHECK_ST(he_sparse_adam(&t, &tm, &tm, id64, g, 3, &hp), HE_ERR_VALUE);
+    CHECK_MSG("overlap");
+    CHECK_ST(he_sparse_adam(&t, &tm, &tv, id64, g, -1, &hp), HE_ERR_VALUE);
+    CHECK(memcmp(w, w_copy, exact) == 0);
+    CHECK(all_zero((const unsigned char *)m, exact) && all_zero((const unsigned char *)v, exact));
+
+    /* Strided tables: rows of `dim` floats every `stride` floats, the gaps
+     * never read (poisoned with NaN) nor written; the state has a stride of
+     * its own. */
+    {
+        const int64_t stride = 9, ms = 6;
+        const size_t sbytes = (size_t)((rows - 1) * stride + dim) * sizeof(float);
+        const size_t mbytes = (size_t)((rows - 1) * ms + dim) * sizeof(float);
+        float *sw = xmalloc(sbytes), *sm = xmalloc(mbytes), *sv = xmalloc(mbytes);
+        for (size_t i = 0; i < sbytes / sizeof(float); i++)
+            sw[i] = NAN;
+        for (size_t i = 0; i < mbytes / sizeof(float); i++)
+            sm[i] = sv[i] = NAN;
+        for (int64_t r = 0; r < rows; r++) {
+            memcpy(sw + r * stride, w + r * dim, (size_t)dim * sizeof(float));
+            memset(sm + r * ms, 0, (size_t)dim * sizeof(float));
+            memset(sv + r * ms, 0, (size_t)dim * sizeof(float));
+        }
+        he_table st_w = {sw, sbytes, rows, dim, stride};
+        he_table st_m = {sm, mbytes, rows, dim, ms}, st_v = {sv, mbytes, rows, dim, ms};
+        CHECK_ST(he_table_check(&st_w, "table"), HE_OK);
+        float sout[3 * 5];
+        CHECK_ST(he_gather(&st_w, &ids, sout), HE_OK);
+        int gathered_ok = 1;
+        for (int k = 0; k < 3; k++)
+            gathered_ok &= memcmp(sout + k * dim, w + id64[k] * dim, (size_t)dim * sizeof(float)) == 0;
+        CHECK(gathered_ok);
+        /* The same update as on the contiguous copy. */
+        float *cw = xdup(w, exact), *cm = xdup(m, exact), *cv = xdup(v, exact);
+        he_table ct = he_table_contiguous(cw, exact, rows, dim), ctm = he_table_contiguous(cm, exact, rows, dim),
+                 ctv = he_table_contiguous(cv, exact, rows, dim);
+        CHECK_ST(he_sparse_adam(&ct, &ctm, &ctv, id64, g, 3, &hp), HE_OK);
+        CHECK_ST(he_sparse_adam(&st_w, &st_m, &st_v, id64, g, 3, &hp), HE_OK);
+        CHECK_ST(he_renorm(&ct, d, 0.5, 3.0), HE_OK);
+        CHECK_ST(he_renorm(&st_w, d, 0.5, 3.0), HE_OK);
+        int same = 1, gaps = 1;
+        for (int64_t r = 0; r < rows; r++) {
+            same &= memcmp(sw + r * stride, cw + r * dim, (size_t)dim * sizeof(float)) == 0;
+            same &= memcmp(sm + r * ms, cm + r * dim, (size_t)dim * sizeof(float)) == 0;
+            same &= memcmp(sv + r * ms, cv + r * dim, (size_t)dim * sizeof(float)) == 0;
+            for (int64_t j = dim; j < stride && r + 1 < rows; j++)
+                gaps &= isnan(sw[r * stride + j]);
+            for (int64_t j = dim; j < ms && r + 1 < rows; j++)
+                gaps &= isnan(sm[r * ms + j]) && isnan(sv[r * ms + j]);
+        }
+        CHECK(same);
+        CHECK(gaps);
+        free(cw);
+        free(cm);
+        free(cv);
+        free(sw);
+        free(sm);
+        free(sv);
+    }
+
+    he_dedup_free(d);
+    free(w_copy);
+    free(w);
+    free(m);
+    free(v);
+    group_end("table_bounds");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Renorm at the edges of the floating-point range                          */
+
+/* The p-norm in long double, scaled by max|x| (the textbook way to keep
+ * |x|^p in range). */
+static long double ref_norm_scaled(const float *row, int64_t dim, double p)
+{
+    long double m = 0.0L;
+    for (int64_t j = 0; j < dim; j++)
+        m = fabsl((long double)row[j]) > m ? fabsl((long double)row[j]) : m;
+    if (m == 0.0L || isinf(p))
+        return m;
+    long double acc = 0.0L;
+    for (int64_t j = 0; j < dim; j++)
+        acc += powl(fabsl((long double)row[j]) / m, (long double)p);
+    return m * powl(acc, 1.0L / (long double)p);
+}
+
+/* Rows of huge (1e30..1e38) and tiny (1e-38..1e-30, subnormals too) values
+ * for p from 0.5 to 1e9: |x|^p over- or underflows double for most of
+ * them, and a row whose norm came out inf would be scaled to 0 (torch's
+ * float norm does that at p = 300 for |x| > 1.35). Every row over max_norm
+ * must end at max_norm (within float rounding), the others unchanged. */
+static void test_renorm_extremes(void)
+{
+    group_begin();
+    const double ps[] = {0.5, 1.0, 2.0, 3.0, 7.5, 300.0, 1e9, INFINITY};
+    const int64_t rows = 8, dim = 6;
+    float *table = xmalloc((size_t)(rows * dim) * sizeof *table);
+    float *before = xmalloc((size_t)(rows * dim) * sizeof *before);
+    int64_t all[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    he_ids ids = {all, rows, 1};
+    he_dedup *d = NULL;
+    CHECK_ST(he_dedup_build(&ids, rows, &d), HE_OK);
+    if (!d) {
+        group_end("renorm_edges");
+        return;
+    }
+    for (size_t pi = 0; pi < sizeof ps / sizeof *ps; pi++) {
+        double p = ps[pi];
+        /* Per row: magnitude scale and max_norm relative to the row's norm. */
+        static const double scales[] = {1e38, 1e30, 1.0, 12.0, 1e-30, 1e-38, 1e-44, 3.0};
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < dim; j++)
+                table[r * dim + j] = (float)(rng_uniform(0.25, 1.0) * scales[r] * (j % 2 ? -1.0 : 1.0));
+        /* Row 7: a single non-zero element (dim 1 in effect). */
+        for (int64_t j = 1; j < dim; j++)
+            table[7 * dim + j] = 0.0f;
+        memcpy(before, table, (size_t)(rows * dim) * sizeof *table);
+        for (int under = 0; under <= 1; under++) {
+            memcpy(table, before, (size_t)(rows * dim) * sizeof *table);
+            /* max_norm: half of the smallest norm (every row over it), or
+             * twice the largest (none). Renorm one row at a time, each with
+             * its own max_norm, so tiny and huge rows both get tested. */
+            int bad = 0;
+            for (int64_t r = 0; r < rows; r++) {
+                long double norm = ref_norm_scaled(before + r * dim, dim, p);
+                double max_norm = (double)(under ? norm * 2.0L : norm / 2.0L);
+                if (norm > FLT_MAX)
+                    continue; /* see below */
+                int64_t one[1] = {r};
+                he_ids oid = {one, 1, 1};
+                he_dedup *od = NULL;
+                CHECK_ST(he_dedup_build(&oid, rows, &od), HE_OK);
+                CHECK_ST(renorm(table, rows, dim, od, max_norm, p), HE_OK);
+                he_dedup_free(od);
+                const float *now = table + r * dim, *old = before + r * dim;
+                if (under) {
+                    if (memcmp(now, old, (size_t)dim * sizeof *now) != 0) {
+                        bad = 1;
+                        fprintf(stderr, "    p %g row %" PRId64 ": changed under max_norm\n", p, r);
+                    }
+                    continue;
+                }
+                /* Scaled by (float)(max_norm / (norm + 1e-7)), norm rounded
+                 * to float: the new norm is max_norm within a few float
+                 * roundings; for tiny rows the + 1e-7 dominates the norm
+                 * and the factor is correspondingly smaller. */
+                long double want = (long double)max_norm * norm / (norm + 1e-7L);
+                long double got = ref_norm_scaled(now, dim, p);
+                long double tol = 8 * FLT_EPSILON * want + 4 * dim * FLT_TRUE_MIN;
+                if (!(fabsl(got - want) <= tol)) {
+                    bad = 1;
+                    fprintf(stderr, "    p %g row %" PRId64 ": norm %.9Lg, max_norm %.9g -> %.9Lg (want %.9Lg)\n", p,
+                            r, norm, max_norm, got, want);
+                }
+            }
+            CHECKF(!bad, "p %g, max_norm %s every norm", p, under ? "above" : "below");
+        }
+    }
+    /* A norm past float's range (p = 1 or 0.5 of 1e38s) rounds to inf, as
+     * torch's float norm does, and the row is scaled by max_norm / inf = 0,
+     * as torch scales it. */
+    {
+        float big[4] = {3e38f, -3e38f, 3e38f, 1.0f};
+        int64_t zero[1] = {0};
+        he_ids zid = {zero, 1, 1};
+        he_dedup *zd = NULL;
+        CHECK_ST(he_dedup_build(&zid, 1, &zd), HE_OK);
+        CHECK_ST(renorm(big, 1, 4, zd, 1e30, 1.0), HE_OK);
+        CHECK(big[0] == 0.0f && big[1] == 0.0f && big[3] == 0.0f);
+        he_dedup_free(zd);
+    }
+    /* The reproducer of the bug: a row [12] and a row [-40] at p 300 and
+     * 1e9 with max_norm 2 end at exactly 2 and -2, as torch gives. */
+    {
+        float r3[3] = {1.5f, 12.0f, -40.0f};
+        for (int i = 0; i < 2; i++) {
+            float t3[3];
+            memcpy(t3, r3, sizeof t3);
+            int64_t three[3] = {0, 1, 2};
+            he_ids tid = {three, 3, 1};
+            he_dedup *td = NULL;
+            CHECK_ST(he_dedup_build(&tid, 3, &td), HE_OK);
+            CHECK_ST(renorm(t3, 3, 1, td, 2.0, i ? 1e9 : 300.0), HE_OK);
+            CHECKF(t3[0] == 1.5f && t3[1] == 2.0f && t3[2] == -2.0f, "p %g: %g %g %g", i ? 1e9 : 300.0, t3[0], t3[1],
+                   t3[2]);
+            he_dedup_free(td);
+        }
+    }
+    /* NaN and inf rows: a NaN norm never renorms, an inf one scales by 0
+     * like torch. */
+    {
+        float t2[2 * 2] = {NAN, 1e30f, INFINITY, 1.0f};
+        int64_t two[2] = {0, 1};
+        he_ids tid = {two, 2, 1};
+        he_dedup *td = NULL;
+        CHECK_ST(he_dedup_build(&tid, 2, &td), HE_OK);
+        CHECK_ST(renorm(t2, 2, 2, td, 1.0, 300.0), HE_OK);
+        CHECK(isnan(t2[0]) && t2[1] == 1e30f);
+        CHECK(isnan(t2[2]) && t2[3] == 0.0f); /* inf * 0 */
+        he_dedup_free(td);
+    }
+    he_dedup_free(d);
+    free(before);
+    free(table);
+    group_end("renorm_edges");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Concurrent callers                                                       */
+
+/* Several program threads call gather, grad_reduce, renorm and SparseAdam
+ * on tables of their own and gather from one shared table, all at once,
+ * while another thread keeps changing the pool's thread count: what two
+ * Python threads with the GIL released (and a third calling
+ * set_num_threads) do. Each worker's results must equal, bit for bit, the
+ * same calls made serially beforehand (the core's results never depend on
+ * the thread count). Run under ThreadSanitizer by test_core_sanitized.py. */
+#define CC_WORKERS 4
+#define CC_ROUNDS 12
+#define CC_ROWS 300
+#define CC_DIM 24
+#define CC_BATCH 700
+
+typedef struct cc_worker {
+    int id;
+    const float *shared; /* [CC_ROWS, CC_DIM], read by everyone */
+    float *w, *m, *v;    /* the worker's own table and state */
+    int64_t ids[CC_ROUNDS][CC_BATCH];
+    float grad[CC_BATCH * CC_DIM];
+    /* Outputs: the last round's gather of the shared table, every round's
+     * reduced gradient sum (a checksum), and the final table. */
+    float shared_out[CC_BATCH * CC_DIM];
+    double grad_sum[CC_ROUNDS];
+    int64_t grad_rows[CC_ROUNDS];
+    int failures;
+    char why[200];
+} cc_worker;
+
+static atomic_int cc_stop;
+
+static void cc_fail(cc_worker *c, const char *what)
+{
+    if (!c->failures++)
+        snprintf(c->why, sizeof c->why, "%s: %s", what, he_last_error());
+}
+
+static void cc_run(cc_worker *c)
+{
+    he_table shared = he_table_contiguous((float *)c->shared, sizeof(float) * CC_ROWS * CC_DIM, CC_ROWS, CC_DIM);
+    he_table w = tab(c->w, CC_ROWS, CC_DIM), m = tab(c->m, CC_ROWS, CC_DIM), v = tab(c->v, CC_ROWS, CC_DIM);
+    float *out = xmalloc(sizeof(float) * CC_BATCH * CC_DIM);
+    float *values = xmalloc(sizeof(float) * CC_BATCH * CC_DIM);
+    int64_t *indices = xmalloc(sizeof(int64_t) * CC_BATCH);
+    for (int r = 0; r < CC_ROUNDS; r++) {
+        he_ids ids = {c->ids[r], CC_BATCH, 1};
+        if (he_gather(&shared, &ids, c->shared_out) != HE_OK)
+            cc_fail(c, "gather shared");
+        he_dedup *d = NULL;
+        if (he_dedup_build(&ids, CC_ROWS, &d) != HE_OK) {
+            cc_fail(c, "dedup");
+            continue;
+        }
+        if (he_renorm(&w, d, 3.0, r % 2 ? 2.0 : 300.0) != HE_OK)
+            cc_fail(c, "renorm");
+        if (he_gather(&w, &ids, out) != HE_OK)
+            cc_fail(c, "gather own");
+        he_reduce_opts opts = {c->id, r % 3 == 0};
+        int64_t count = 0;
+        if (he_grad_reduce(d, c->grad, CC_DIM, &opts, values, indices, &count) != HE_OK)
+            cc_fail(c, "grad_reduce");
+        double sum = 0.0;
+        for (int64_t i = 0; i < count * CC_DIM; i++)
+            sum += values[i];
+        c->grad_sum[r] = sum;
+        c->grad_rows[r] = count;
+        he_adam_params hp = {1e-2, 0.9, 0.999, 1e-8, r + 1, r % 2};
+        if (he_sparse_adam(&w, &m, &v, indices, values, count, &hp) != HE_OK)
+            cc_fail(c, "sparse_adam");
+        /* And the unsorted path (dedup inside), with the batch's ids. */
+        if (he_sparse_adam(&w, &m, &v, c->ids[r], c->grad, CC_BATCH, &hp) != HE_OK)
+            cc_fail(c, "sparse_adam unsorted");
+        he_dedup_free(d);
+    }
+    free(out);
+    free(values);
+    free(indices);
+}
+
+static void *cc_thread(void *arg)
+{
+    cc_run(arg);
+    return NULL;
+}
+
+static void *cc_flipper(void *arg)
+{
+    int *flips = arg;
+    static const int counts[] = {1, 3, 2, 5, 4};
+    while (!atomic_load(&cc_stop)) {
+        he_set_num_threads(counts[*flips % 5]);
+        (void)he_get_num_threads();
+        ++*flips;
+        nanosleep(&(struct timespec){0, 200 * 1000}, NULL);
+    }
+    return NULL;
+}
+
+static cc_worker *cc_new(int id, const float *shared)
+{
+    cc_worker *c = xmalloc(sizeof *c);
+    memset(c, 0, sizeof *c);
+    c->id = id;
+    c->shared = shared;
+    size_t bytes = sizeof(float) * CC_ROWS * CC_DIM;
+    c->w = xmalloc(bytes);
+    c->m = xmalloc(bytes);
+    c->v = xmalloc(bytes);
+    fill_uniform(c->w, CC_ROWS * CC_DIM, -3.0, 3.0);
+    memset(c->m, 0, bytes);
+    memset(c->v, 0, bytes);
+    for (int r = 0; r < CC_ROUNDS; r++)
+        for (int i = 0; i < CC_BATCH; i++) /* skewed: hot rows repeat */
+            c->ids[r][i] = (int64_t)(pow(rng_uniform(0.0, 1.0), 3.0) * CC_ROWS);
+    fill_uniform(c->grad, CC_BATCH * CC_DIM, -1.0, 1.0);
+    return c;
+}
+
+static cc_worker *cc_clone(const cc_worker *src)
+{
+    cc_worker *c = xdup(src, sizeof *c);
+    size_t bytes = sizeof(float) * CC_ROWS * CC_DIM;
+    c->w = xdup(src->w, bytes);
+    c->m = xdup(src->m, bytes);
+    c->v = xdup(src->v, bytes);
+    return c;
+}
+
+static void cc_free(cc_worker *c)
+{
+    free(c->w);
+    free(c->m);
+    free(c->v);
+    free(c);
+}
+
+static int cc_same(const cc_worker *a, const cc_worker *b)
+{
+    size_t bytes = sizeof(float) * CC_ROWS * CC_DIM;
+    return memcmp(a->w, b->w, bytes) == 0 && memcmp(a->m, b->m, bytes) == 0 && memcmp(a->v, b->v, bytes) == 0 &&
+           memcmp(a->shared_out, b->shared_out, sizeof a->shared_out) == 0 &&
+           memcmp(a->grad_sum, b->grad_sum, sizeof a->grad_sum) == 0 &&
+           memcmp(a->grad_rows, b->grad_rows, sizeof a->grad_rows) == 0;
+}
+
+static void test_concurrent_callers(void)
+{
+    group_begin();
+    float *shared = xmalloc(sizeof(float) * CC_ROWS * CC_DIM);
+    fill_uniform(shared, CC_ROWS * CC_DIM, -1.0, 1.0);
+    for (int attempt = 0; attempt < 2; attempt++) {
+        cc_worker *serial[CC_WORKERS], *par[CC_WORKERS];
+        for (int i = 0; i < CC_WORKERS; i++) {
+            par[i] = cc_new(i, shared);
+            serial[i] = cc_clone(par[i]);
+        }
+        /* The reference: one caller at a time. */
+        set_threads(attempt + 1);
+        for (int i = 0; i < CC_WORKERS; i++)
+            cc_run(serial[i]);
+
+        set_threads(3);
+        atomic_store(&cc_stop, 0);
+        int flips = 0;
+        pthread_t flipper, workers[CC_WORKERS];
+        CHECK(pthread_create(&flipper, NULL, cc_flipper, &flips) == 0);
+        for (int i = 0; i < CC_WORKERS; i++)
+            CHECK(pthread_create(&workers[i], NULL, cc_thread, par[i]) == 0);
+        for (int i = 0; i < CC_WORKERS; i++)
+            pthread_join(workers[i], NULL);
+        atomic_store(&cc_stop, 1);
+        pthread_join(flipper, NULL);
+        CHECK(flips > 0);
+        for (int i = 0; i < CC_WORKERS; i++) {
+            CHECKF(par[i]->failures == 0, "worker %d: %d failures, first %s", i, par[i]->failures, par[i]->why);
+            CHECKF(cc_same(par[i], serial[i]), "worker %d (attempt %d): results differ from the serial run", i,
+                   attempt);
+            cc_free(par[i]);
+            cc_free(serial[i]);
+        }
+    }
+    free(shared);
+    set_threads(1);
+    group_end("concurrency");
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1442,6 +1948,9 @@ int main(void)
     test_sparse_adam();
     test_scratch();
     test_negative_shapes();
+    test_table_bounds();
+    test_renorm_extremes();
+    test_concurrent_callers();
     /* Joins the workers so that a leak check at exit sees a quiet process. */
     he_set_num_threads(1);
     printf("%d passed, %d failed\n", g_passed, g_failed);
