@@ -136,7 +136,7 @@ def gather_curve(args, h2d_bps):
         out = torch.empty(args.gather_rows, dim, device=device)
 
         def gather():
-            _C.cuda_gather(table=base, dim=dim, rows=ids.data_ptr(), count=ids.numel(), out=out.data_ptr(),
+            _C.cuda_gather(table=host.buffer, num_rows=rows, dim=dim, rows=ids.data_ptr(), count=ids.numel(), out=out.data_ptr(),
                            device=device.index, stream=stream.cuda_stream)
 
         gather()

@@ -351,8 +351,49 @@ def test_pt_record_offsets_outside_the_file(tmp_path):
     end = blob.rfind(b"PK\x05\x06")
     struct.pack_into("<I", blob, end + 16, struct.unpack_from("<I", blob, end + 16)[0] + 1000)
     (tmp_path / "negative.pt").write_bytes(blob)
-    with pytest.raises(ValueError, match=r"record 'archive/data.pkl' claims 145 bytes .* at byte -1000"):
+    # (refused now by the check that zipfile and torch read the same central directory)
+    with pytest.raises(ValueError, match=r"central directory is at byte 514, but its end record says byte 1514"):
         hostembed.Embedding.from_pretrained(tmp_path / "negative.pt")
+
+
+@pytest.mark.parametrize("field,value", [("external_attr", 0x10), ("flag_bits", 0x1)], ids=["directory", "encrypted"])
+def test_pt_record_marked_as_directory_or_encrypted(tmp_path, field, value):
+    # fuzz finding: a storage record whose DOS attributes say "directory"
+    # (0xfffa): torch.load without mmap returned uninitialised memory as its
+    # data (miniz extracts a directory as nothing), with mmap the bytes in
+    # the file. Two readers, two tables: refused.
+    path = write_pt(tmp_path / "ok.pt", state_dict_pickle({"weight": tensor_pickle_ops()}),
+                    {"0": struct.pack("<6f", *range(6))})
+    blob = bytearray(open(path, "rb").read())
+    pos = blob.find(b"PK\x01\x02")
+    while blob[pos + 46:pos + 46 + 14] != b"archive/data/0":  # its central directory entry
+        pos = blob.find(b"PK\x01\x02", pos + 4)
+    if field == "external_attr":
+        struct.pack_into("<I", blob, pos + 38, 0x0180FFFA)
+    else:
+        struct.pack_into("<H", blob, pos + 8, value)
+    (tmp_path / "marked.pt").write_bytes(blob)
+    with pytest.raises(ValueError, match=r"record 'archive/data/0' is marked as a directory or as encrypted"):
+        hostembed.Embedding.from_pretrained(tmp_path / "marked.pt")
+
+
+def test_pt_data_before_the_archive(tmp_path):
+    # Python's zipfile shifts every offset by the bytes before the archive,
+    # torch's reader does not: they would read different records.
+    path = write_pt(tmp_path / "ok.pt", state_dict_pickle({"weight": tensor_pickle_ops()}),
+                    {"0": struct.pack("<6f", *range(6))})
+    (tmp_path / "prepended.pt").write_bytes(b"\0" * 100 + open(path, "rb").read())
+    with pytest.raises(ValueError, match=r"central directory is at byte \d+, but its end record says byte \d+"):
+        hostembed.Embedding.from_pretrained(tmp_path / "prepended.pt")
+
+
+def test_zip64_pt_still_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr(zipfile, "ZIP_FILECOUNT_LIMIT", 1)  # makes zipfile write the zip64 end records
+    path = write_pt(tmp_path / "z64.pt", state_dict_pickle({"weight": tensor_pickle_ops()}),
+                    {"0": struct.pack("<6f", *range(6))})
+    monkeypatch.undo()
+    assert b"PK\x06\x06" in open(path, "rb").read()
+    assert torch.equal(hostembed.Embedding.from_pretrained(path).weight.detach(), torch.arange(6.0).view(3, 2))
 
 
 def test_legacy_torch_save_format_says_so(tmp_path):

@@ -503,6 +503,11 @@ def _check_torch_archive(path, f, size):
                 raise ValueError(f"hostembed: cannot read '{path}' as a torch.save file: record {record} is "
                                  f"compressed (method {info.compress_type}); torch.save stores records "
                                  "uncompressed, and torch.load(mmap=True) would read the compressed bytes as data")
+            if info.external_attr & 0x10 or info.filename.endswith("/") or info.flag_bits & 0x41:
+                # torch's reader (miniz) extracts a "directory" as nothing (torch.load without mmap then
+                # returns uninitialised memory as the storage), and refuses an encrypted one
+                raise ValueError(f"hostembed: cannot read '{path}' as a torch.save file: record {record} is marked "
+                                 "as a directory or as encrypted (torch.save writes neither)")
             if info.file_size != info.compress_size or not 0 <= info.header_offset <= size - 30 - info.file_size:
                 raise ValueError(f"hostembed: cannot read '{path}' as a torch.save file: record {record} claims "
                                  f"{info.file_size} bytes ({info.compress_size} stored) at byte "
