@@ -3,6 +3,10 @@
 Contenders (built one at a time and freed before the next, so the peak
 memory is about one of them):
   * hostembed.Embedding + hostembed.SparseAdam
+  * the same with SparseAdam(fused=True): the update runs in backward, from
+    the output gradient, with no weight.grad (step() only ends the step)
+  * fused, and the next batch's rows prefetched (Embedding.prefetch) right
+    after each forward, so its gather overlaps this step's backward
   * torch.nn.Embedding(sparse=True) + torch.optim.SparseAdam
   * torch.nn.Embedding (dense) + torch.optim.Adam (few steps: it updates the
     whole table every step)
@@ -31,6 +35,9 @@ hostembed = require_hostembed()
 CHECK_STEPS = 3    # batches both SparseAdams run before their weights are compared
 PHASES = ("forward", "backward", "step", "zero_grad")
 HOSTEMBED = "hostembed.Embedding + hostembed.SparseAdam"
+HOSTEMBED_FUSED = "hostembed.Embedding + hostembed.SparseAdam(fused=True)"
+HOSTEMBED_PREFETCH = "hostembed.Embedding + hostembed.SparseAdam(fused=True) + prefetch"
+HOSTEMBEDS = (HOSTEMBED, HOSTEMBED_FUSED, HOSTEMBED_PREFETCH)
 TORCH_SPARSE = "torch.nn.Embedding(sparse=True) + torch.optim.SparseAdam"
 TORCH_ADAM = "torch.nn.Embedding + torch.optim.Adam"
 
@@ -69,6 +76,17 @@ def make_hostembed(args):
     return emb, hostembed.SparseAdam(emb.parameters(), lr=args.lr)
 
 
+def make_hostembed_fused(args):
+    emb = hostembed.Embedding(args.rows, args.dim)
+    return emb, hostembed.SparseAdam(emb.parameters(), lr=args.lr, fused=True)
+
+
+def make_hostembed_prefetch(args):
+    emb, opt = make_hostembed_fused(args)
+    emb.prefetch_next = True  # read by train_step
+    return emb, opt
+
+
 def make_torch_sparse(args):
     emb = torch.nn.Embedding(args.rows, args.dim, sparse=True)
     return emb, torch.optim.SparseAdam(emb.parameters(), lr=args.lr)
@@ -90,10 +108,14 @@ def build(make, args):
     return emb, opt, time.perf_counter() - t0
 
 
-def train_step(emb, opt, ids, grad_out):
-    """One step; returns the seconds of each phase (PHASES order)."""
+def train_step(emb, opt, ids, grad_out, next_ids=None):
+    """One step; returns the seconds of each phase (PHASES order). An
+    embedding marked prefetch_next prefetches next_ids after its forward
+    (counted in forward)."""
     t0 = time.perf_counter()
     out = emb(ids)
+    if next_ids is not None and getattr(emb, "prefetch_next", False):
+        emb.prefetch(next_ids)
     t1 = time.perf_counter()
     out.backward(grad_out)
     t2 = time.perf_counter()
@@ -107,8 +129,8 @@ def train_step(emb, opt, ids, grad_out):
 def warm_up(emb, opt, batches, grad_out, desc):
     """Untimed steps; returns the first one's seconds (it allocates the optimizer state)."""
     first = None
-    for ids in progress(batches, desc):
-        seconds = sum(train_step(emb, opt, ids, grad_out))
+    for i, ids in enumerate(progress(batches, desc)):
+        seconds = sum(train_step(emb, opt, ids, grad_out, batches[i + 1] if i + 1 < len(batches) else None))
         first = seconds if first is None else first
     return first
 
@@ -117,8 +139,8 @@ def timed_steps(emb, opt, batches, grad_out, desc, peak):
     peak.start()
     per_phase = {name: [] for name in PHASES}
     totals = []
-    for ids in progress(batches, desc):
-        phases = train_step(emb, opt, ids, grad_out)
+    for i, ids in enumerate(progress(batches, desc)):
+        phases = train_step(emb, opt, ids, grad_out, batches[i + 1] if i + 1 < len(batches) else None)
         for name, seconds in zip(PHASES, phases):
             per_phase[name].append(seconds)
         totals.append(sum(phases))
@@ -175,13 +197,19 @@ def correctness_check(args, batches, grad_out):
     del emb, opt
     gc.collect()
 
-    emb, opt, _ = build(make_hostembed, args)
-    check_same_start(emb.weight, initial)
-    del initial
-    warm_up(emb, opt, batches[:CHECK_STEPS], grad_out, "check: hostembed")
-    result = check_same_weights(emb.weight, reference)
-    del emb, opt, reference
-    gc.collect()
+    result = {}
+    for name, make in ((HOSTEMBED, make_hostembed), (HOSTEMBED_FUSED, make_hostembed_fused),
+                       (HOSTEMBED_PREFETCH, make_hostembed_prefetch)):
+        emb, opt, _ = build(make, args)
+        check_same_start(emb.weight, initial)
+        warm_up(emb, opt, batches[:CHECK_STEPS], grad_out, f"check: {name}")
+        result[name] = check_same_weights(emb.weight, reference)
+        del emb, opt
+        gc.collect()
+    for name in (HOSTEMBED_FUSED, HOSTEMBED_PREFETCH):
+        if result[name]["bitwise_equal"] != result[HOSTEMBED]["bitwise_equal"] or \
+                result[name]["max_abs_diff"] != result[HOSTEMBED]["max_abs_diff"]:
+            fail(f"{name} did not reach the same weights as the unfused step")
     return result
 
 
@@ -204,7 +232,11 @@ def run_contenders(args, batches, grad_out, peak):
     # All contenders time the same ids; dense Adam only the first few of them
     # and after one warm-up step, as each of its steps costs seconds.
     warm, timed = batches[:args.warmup], batches[args.warmup:]
-    results = {HOSTEMBED: run_contender(HOSTEMBED, make_hostembed, args, warm, timed[:args.steps], grad_out, peak)}
+    results = {HOSTEMBED: run_contender(HOSTEMBED, make_hostembed, args, warm, timed[:args.steps], grad_out, peak),
+               HOSTEMBED_FUSED: run_contender(HOSTEMBED_FUSED, make_hostembed_fused, args, warm, timed[:args.steps],
+                                              grad_out, peak),
+               HOSTEMBED_PREFETCH: run_contender(HOSTEMBED_PREFETCH, make_hostembed_prefetch, args, warm,
+                                                 timed[:args.steps], grad_out, peak)}
     if args.skip_torch_sparse:
         results[TORCH_SPARSE] = {"skipped": "--skip-torch-sparse"}
     else:
@@ -228,16 +260,16 @@ def hostembed_bandwidth(args, unique_mean, step_ms, copy_bps):
             "fraction_of_copy_bandwidth": achieved / copy_bps}
 
 
-def speedups(contenders):
-    he = contenders[HOSTEMBED]["median_ms"]
+def speedups(contenders, ours):
+    he = contenders[ours]["median_ms"]
     return {name: r["median_ms"] / he for name, r in contenders.items()
-            if name != HOSTEMBED and "median_ms" in r}
+            if name not in HOSTEMBEDS and "median_ms" in r}
 
 
 # --- report ------------------------------------------------------------------------------
 
 def print_report(args, report):
-    contenders, sp = report["contenders"], report["speedup_of_hostembed"]
+    contenders = report["contenders"]
     ts = contenders[TORCH_SPARSE]
     print(f"## CPU training step: N={args.rows:,} rows, D={args.dim}, batch {args.batch:,} ids "
           f"Zipf({args.alpha}), {report['machine']['threads']} threads\n")
@@ -262,9 +294,10 @@ def print_report(args, report):
             print(f"| {name} | " + " | ".join(fmt_ms(ph[p]) for p in PHASES) + f" | {fmt_ms(r['first_step_ms'])} |")
 
     print()
-    for name, ratio in sp.items():
-        print(f"hostembed speedup over {name}: {ratio:.2f}x (ratio of medians)")
-    u, cp, bw = report["unique_ids"], report["copy_bandwidth"], report["hostembed_bandwidth"]
+    for ours in HOSTEMBEDS:
+        for name, ratio in report["speedups"][ours].items():
+            print(f"{ours} speedup over {name}: {ratio:.2f}x (ratio of medians)")
+    u, cp = report["unique_ids"], report["copy_bandwidth"]
     print(f"unique ids per batch u: mean {u['mean']:,.0f} (min {u['min']:,}, max {u['max']:,}) "
           f"= {u['mean'] / args.batch:.1%} of the batch")
     single = cp.get("single_thread")
@@ -273,12 +306,15 @@ def print_report(args, report):
           f"{best['repeats']}): {best['bytes_per_s'] / 1e9:.2f} GB/s with {best['threads']} threads (best of before "
           f"{before['bytes_per_s'] / 1e9:.2f} and after {after['bytes_per_s'] / 1e9:.2f} the contenders)"
           + (f", {single['bytes_per_s'] / 1e9:.2f} GB/s with 1 thread" if single else ""))
-    print(f"hostembed bytes/step (28*u*D + 8*B*D): {bw['bytes_per_step'] / 1e6:.1f} MB -> "
-          f"{bw['achieved_bytes_per_s'] / 1e9:.2f} GB/s achieved = "
-          f"{bw['fraction_of_copy_bandwidth']:.1%} of the copy bandwidth")
-    chk = report["correctness"]
-    print(f"correctness: hostembed matches torch SparseAdam after {chk['steps']} steps from the same table "
-          f"(max abs diff {chk['max_abs_diff']:.3g}, bitwise equal: {chk['bitwise_equal']})")
+    for ours in HOSTEMBEDS:
+        bw = report["bandwidth"][ours]
+        print(f"{ours}: bytes/step (28*u*D + 8*B*D) {bw['bytes_per_step'] / 1e6:.1f} MB -> "
+              f"{bw['achieved_bytes_per_s'] / 1e9:.2f} GB/s achieved = "
+              f"{bw['fraction_of_copy_bandwidth']:.1%} of the copy bandwidth")
+    for ours in HOSTEMBEDS:
+        chk = report["correctness"][ours]
+        print(f"correctness: {ours} matches torch SparseAdam after {chk['steps']} steps from the same table "
+              f"(max abs diff {chk['max_abs_diff']:.3g}, bitwise equal: {chk['bitwise_equal']})")
     rss = report["peak_rss_bytes"]
     per = ", ".join(f"{name.split(' + ')[1]} {r['peak_rss_bytes_timed'] / GIB:.2f} GiB"
                     for name, r in contenders.items() if r.get("peak_rss_bytes_timed"))
@@ -328,9 +364,9 @@ def main(argv=None):
         "unique_ids": unique_stats,
         "copy_bandwidth": copy,
         "contenders": contenders,
-        "speedup_of_hostembed": speedups(contenders),
-        "hostembed_bandwidth": hostembed_bandwidth(args, unique_stats["mean"], contenders[HOSTEMBED]["median_ms"],
-                                                   copy["all_threads"]["bytes_per_s"]),
+        "speedups": {ours: speedups(contenders, ours) for ours in HOSTEMBEDS},
+        "bandwidth": {ours: hostembed_bandwidth(args, unique_stats["mean"], contenders[ours]["median_ms"],
+                                                copy["all_threads"]["bytes_per_s"]) for ours in HOSTEMBEDS},
         "correctness": check,
     }
     peak.window()

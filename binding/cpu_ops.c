@@ -159,6 +159,16 @@ static PyObject *heb_renorm(PyObject *mod, PyObject *args, PyObject *kwds)
     Py_RETURN_NONE;
 }
 
+/* The weight and its two moments, each checked against its own buffer. */
+static int heb_adam_tables(const heb_buffer *weight, const heb_buffer *exp_avg, const heb_buffer *exp_avg_sq,
+                           long long num_rows, long long dim, he_table *w, he_table *m, he_table *v)
+{
+    return heb_buffer_table(weight, num_rows, dim, w) < 0 || heb_buffer_table(exp_avg, num_rows, dim, m) < 0 ||
+                   heb_buffer_table(exp_avg_sq, num_rows, dim, v) < 0
+               ? -1
+               : 0;
+}
+
 static PyObject *heb_sparse_adam(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
@@ -178,14 +188,49 @@ static PyObject *heb_sparse_adam(PyObject *mod, PyObject *args, PyObject *kwds)
                                      &values, &nnz, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &step, &maximize))
         return NULL;
     he_table w, m, v;
-    if (heb_buffer_table(&weight, num_rows, dim, &w) < 0 || heb_buffer_table(&exp_avg, num_rows, dim, &m) < 0 ||
-        heb_buffer_table(&exp_avg_sq, num_rows, dim, &v) < 0)
+    if (heb_adam_tables(&weight, &exp_avg, &exp_avg_sq, num_rows, dim, &w, &m, &v) < 0)
         return NULL;
     hp.step = step;
     hp.maximize = maximize;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
     st = he_sparse_adam(&w, &m, &v, (const int64_t *)indices.ptr, (const float *)values.ptr, nnz, &hp);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
+/* The fused backward: grad_reduce of the batch's Dedup straight into
+ * sparse_adam's row update. */
+static PyObject *heb_sparse_adam_fused(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"dedup", "grad", "padding_idx", "scale_grad_by_freq", "weight", "exp_avg", "exp_avg_sq",
+                             "num_rows", "dim", "lr", "beta1", "beta2", "eps", "step", "maximize", NULL};
+    heb_dedup *dedup;
+    HEB_ADDRESS(grad);
+    HEB_BUFFER(weight);
+    HEB_BUFFER(exp_avg);
+    HEB_BUFFER(exp_avg_sq);
+    long long padding_idx, num_rows, dim, step;
+    int scale, maximize;
+    he_adam_params hp;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LpO&O&O&LLddddLp:sparse_adam_fused", kwlist, &heb_dedup_type,
+                                     &dedup, heb_address_converter, &grad, &padding_idx, &scale,
+                                     heb_buffer_converter, &weight, heb_buffer_converter, &exp_avg,
+                                     heb_buffer_converter, &exp_avg_sq, &num_rows, &dim, &hp.lr, &hp.beta1,
+                                     &hp.beta2, &hp.eps, &step, &maximize))
+        return NULL;
+    he_table w, m, v;
+    if (heb_adam_tables(&weight, &exp_avg, &exp_avg_sq, num_rows, dim, &w, &m, &v) < 0)
+        return NULL;
+    hp.step = step;
+    hp.maximize = maximize;
+    he_reduce_opts opts = {padding_idx, scale};
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_sparse_adam_fused(dedup->d, (const float *)grad.ptr, &opts, &w, &m, &v, &hp);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -204,6 +249,11 @@ static PyMethodDef heb_cpu_methods[] = {
     {"renorm", HEB_KW_FUNC(heb_renorm), METH_VARARGS | METH_KEYWORDS,
      "renorm($module, /, *, table, num_rows, dim, dedup, max_norm, norm_type)\n--\n\n"
      "max_norm in place on the unique rows of dedup (a Dedup built for num_rows) of the table's HostBuffer"},
+    {"sparse_adam_fused", HEB_KW_FUNC(heb_sparse_adam_fused), METH_VARARGS | METH_KEYWORDS,
+     "sparse_adam_fused($module, /, *, dedup, grad, padding_idx, scale_grad_by_freq, weight, exp_avg, exp_avg_sq, "
+     "num_rows, dim, lr, beta1, beta2, eps, step, maximize)\n--\n\n"
+     "grad_reduce of grad ([dedup.count, dim] rows) fed straight into sparse_adam's row update: the same bits "
+     "as the two calls, without writing the sums out"},
     {"sparse_adam", HEB_KW_FUNC(heb_sparse_adam), METH_VARARGS | METH_KEYWORDS,
      "sparse_adam($module, /, *, weight, exp_avg, exp_avg_sq, num_rows, dim, indices, values, nnz, lr, beta1, "
      "beta2, eps, step, maximize)\n--\n\n"

@@ -20,4 +20,21 @@ typedef struct he_reduce_opts {
 he_status he_grad_reduce(const he_dedup *d, const float *grad, int64_t dim, const he_reduce_opts *opts,
                          float *out_values, int64_t *out_indices, int64_t *out_count);
 
+/* What a fused backward does with each unique id's sum instead of writing
+ * it out: an optimizer's row update. apply() gets columns [col, col + n) of
+ * row `row`'s sum (bitwise what he_grad_reduce writes there), in ascending
+ * col order, from one thread per row; prefetch() (may be NULL) is called a
+ * few rows ahead with a row about to be applied. */
+typedef struct he_row_update {
+    void (*apply)(const void *ctx, int64_t row, int64_t col, const float *sum, int64_t n);
+    void (*prefetch)(const void *ctx, int64_t row);
+    const void *ctx;
+} he_row_update;
+
+/* he_grad_reduce with every sum handed to update (padding_idx skipped). The
+ * caller checks that the rows update writes belong to a table of
+ * d->num_rows rows (the ids were range-checked against that). */
+he_status he_grad_reduce_apply(const he_dedup *d, const float *grad, int64_t dim, const he_reduce_opts *opts,
+                               const he_row_update *update);
+
 #endif

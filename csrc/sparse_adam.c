@@ -56,6 +56,30 @@ static void adam_range(void *ctx, int64_t begin, int64_t end)
     }
 }
 
+/* The fused backward's row update: the same adam_row, on the sum's column
+ * block (Adam is element-wise, so a row updated block by block is the same
+ * bits). */
+typedef struct fused_ctx {
+    he_table w, m, v;
+    he_adam_consts c;
+} fused_ctx;
+
+static void fused_apply(const void *ctx, int64_t row, int64_t col, const float *sum, int64_t n)
+{
+    const fused_ctx *f = ctx;
+    adam_row(he_table_row(&f->w, row) + col, he_table_row(&f->m, row) + col, he_table_row(&f->v, row) + col, sum, n,
+             f->c);
+}
+
+static void fused_prefetch(const void *ctx, int64_t row)
+{
+    const fused_ctx *f = ctx;
+    size_t row_bytes = (size_t)f->w.dim * sizeof(float);
+    he_prefetch_row(he_table_row(&f->w, row), row_bytes, 1);
+    he_prefetch_row(he_table_row(&f->m, row), row_bytes, 1);
+    he_prefetch_row(he_table_row(&f->v, row), row_bytes, 1);
+}
+
 he_adam_consts he_adam_make_consts(const he_adam_params *hp)
 {
     double bias1 = 1.0 - pow(hp->beta1, (double)hp->step);
@@ -95,8 +119,8 @@ static he_status check_state(const he_table *w, const he_table *s, const char *w
     return HE_OK;
 }
 
-he_status he_sparse_adam(const he_table *weight, const he_table *exp_avg, const he_table *exp_avg_sq,
-                         const int64_t *indices, const float *values, int64_t nnz, const he_adam_params *hp)
+static he_status check_update(const he_table *weight, const he_table *exp_avg, const he_table *exp_avg_sq,
+                              const he_adam_params *hp)
 {
     he_status st = he_table_check(weight, "weight");
     if (st == HE_OK)
@@ -105,13 +129,36 @@ he_status he_sparse_adam(const he_table *weight, const he_table *exp_avg, const 
         st = check_state(weight, exp_avg_sq, "exp_avg_sq");
     if (st == HE_OK && he_table_overlap(exp_avg, exp_avg_sq))
         st = he_fail(HE_ERR_VALUE, "exp_avg and exp_avg_sq overlap");
+    if (st == HE_OK && hp->step < 1)
+        st = he_fail(HE_ERR_VALUE, "step must be >= 1, got %" PRId64, hp->step);
+    return st;
+}
+
+he_status he_sparse_adam_fused(const he_dedup *d, const float *grad, const he_reduce_opts *opts,
+                               const he_table *weight, const he_table *exp_avg, const he_table *exp_avg_sq,
+                               const he_adam_params *hp)
+{
+    he_status st = check_update(weight, exp_avg, exp_avg_sq, hp);
+    if (st != HE_OK)
+        return st;
+    /* The ids were range-checked against d->num_rows when it was built. */
+    if (d->num_rows != weight->num_rows)
+        return he_fail(HE_ERR_VALUE, "the ids were checked against %" PRId64 " rows, the table has %" PRId64,
+                       d->num_rows, weight->num_rows);
+    fused_ctx f = {*weight, *exp_avg, *exp_avg_sq, he_adam_make_consts(hp)};
+    he_row_update update = {fused_apply, fused_prefetch, &f};
+    return he_grad_reduce_apply(d, grad, weight->dim, opts, &update);
+}
+
+he_status he_sparse_adam(const he_table *weight, const he_table *exp_avg, const he_table *exp_avg_sq,
+                         const int64_t *indices, const float *values, int64_t nnz, const he_adam_params *hp)
+{
+    he_status st = check_update(weight, exp_avg, exp_avg_sq, hp);
     if (st != HE_OK)
         return st;
     int64_t num_rows = weight->num_rows, dim = weight->dim;
     if (nnz < 0)
         return he_fail(HE_ERR_VALUE, "a gradient needs nnz >= 0, got %" PRId64, nnz);
-    if (hp->step < 1)
-        return he_fail(HE_ERR_VALUE, "step must be >= 1, got %" PRId64, hp->step);
     int ascending = 1;
     for (int64_t k = 0; k < nnz; k++) {
         if ((uint64_t)indices[k] >= (uint64_t)num_rows)

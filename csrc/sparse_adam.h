@@ -4,6 +4,8 @@
 
 #include <stdint.h>
 
+#include "dedup.h"
+#include "grad_reduce.h"
 #include "he_adam.h"
 #include "he_status.h"
 #include "table.h"
@@ -31,5 +33,16 @@
  * with the scalars of he_adam_make_consts (include/he_adam.h). */
 he_status he_sparse_adam(const he_table *weight, const he_table *exp_avg, const he_table *exp_avg_sq,
                          const int64_t *indices, const float *values, int64_t nnz, const he_adam_params *hp);
+
+/* Backward and update in one pass (the fused mode): the gradient of a
+ * lookup of d's ids is grad ([d->count, dim] rows in the batch's order);
+ * each unique id's rows are summed as he_grad_reduce sums them (opts:
+ * padding_idx gets no update, scale_grad_by_freq) and the sum goes straight
+ * into that row's update, never to memory. The same bits as he_grad_reduce
+ * followed by he_sparse_adam. Tables are checked as he_sparse_adam checks
+ * them, and d must have been built for weight's row count. */
+he_status he_sparse_adam_fused(const he_dedup *d, const float *grad, const he_reduce_opts *opts,
+                               const he_table *weight, const he_table *exp_avg, const he_table *exp_avg_sq,
+                               const he_adam_params *hp);
 
 #endif

@@ -563,6 +563,66 @@ def test_gpu_cpu_and_auto_updates_give_the_same_bits(dim):
         assert torch.equal(gpu, cpu) and torch.equal(auto, cpu)
 
 
+@pytest.mark.parametrize("options", [{}, {"padding_idx": 3, "scale_grad_by_freq": True}], ids=["plain", "options"])
+@pytest.mark.parametrize("update", ["gpu", "auto", "cpu"])
+def test_fused_update_gives_the_unfused_bits(update, options):
+    """SparseAdam(fused=True) with GPU outputs: the sums stay on the GPU
+    and the kernel updates from them (update="cpu": copied to the host for
+    the core); the same bits as the unfused GPU update, no weight.grad."""
+    dim = 13
+    gen = torch.Generator().manual_seed(6)
+    batches = [zipf_ids(1000, 4096, generator=gen) for _ in range(12)]
+    grads = [torch.randn(4096, dim, generator=gen) for _ in range(12)]
+    results = []
+    for fused in (False, True):
+        _, ours = gpu_pair(1000, dim, **options)
+        opt = hostembed.SparseAdam(ours.parameters(), lr=0.05, update="gpu" if not fused else update, fused=fused)
+        for ids, g in zip(batches, grads):
+            opt.zero_grad()
+            out = ours(ids.cuda())
+            assert_kernel_path(ours)
+            out.backward(g.cuda())
+            opt.step()
+        if fused:
+            assert ours.weight.grad is None
+            assert opt._last_update == ("cpu" if update == "cpu" else "gpu")
+            if update != "cpu":
+                assert_kernel_path(ours, opt)
+        state = opt.state[ours.weight]
+        assert state["step"] == 12
+        results.append([ours.weight.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone()])
+    for unfused, fused in zip(*results):
+        assert torch.equal(unfused, fused)
+
+
+def test_fused_table_looked_up_twice_on_the_gpu():
+    results = []
+    ids_a, ids_b = torch.tensor([1, 2, 2, 9], device="cuda"), torch.tensor([2, 3, 9], device="cuda")
+    for fused in (False, True):
+        _, ours = gpu_pair(50, 8)
+        opt = hostembed.SparseAdam(ours.parameters(), lr=0.1, update="gpu", fused=fused)
+        for _ in range(3):
+            opt.zero_grad()
+            (ours(ids_a).pow(2).sum() + ours(ids_b).sum()).backward()
+            assert_kernel_path(ours)
+            if fused:
+                # Two lookups in one pass: one update of the summed gradient, by the CPU core.
+                assert ours.weight.grad is None
+            opt.step()
+            if fused:
+                assert opt._last_update == "cpu"
+        state = opt.state[ours.weight]
+        assert state["step"] == 3
+        results.append(torch.stack([ours.weight.detach(), state["exp_avg"], state["exp_avg_sq"]]))
+    assert torch.equal(*results)
+
+
+def test_prefetch_with_gpu_outputs_says_it_is_not_implemented():
+    _, ours = gpu_pair(50, 8)
+    with pytest.raises(NotImplementedError, match="CPU outputs"):
+        ours.prefetch(torch.tensor([1, 2]))
+
+
 def test_next_forward_sees_the_gpu_update():
     _, ours = gpu_pair(100, 16)
     opt = hostembed.SparseAdam(ours.parameters(), lr=0.5, update="gpu")

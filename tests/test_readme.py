@@ -33,3 +33,29 @@ def test_load_and_save_example_runs(tmp_path, monkeypatch):
     exec(compile(example, "README.md load/save example", "exec"), namespace)
     assert torch.equal(namespace["emb"].weight, vectors)
     assert namespace["extra"] == {"epoch": 4}
+
+
+def test_prefetch_example_runs_and_takes_every_prefetch():
+    import torch
+
+    import hostembed
+
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    example = next(b for b in blocks if ".prefetch(" in b)
+    torch.manual_seed(0)
+    emb = hostembed.Embedding(100_000, 8)
+    head = torch.nn.Linear(8, 1)
+    opt = hostembed.SparseAdam(emb.parameters(), lr=0.01, fused=True)
+    loader = [(torch.randint(0, 100_000, (32,)), torch.randn(32, 1)) for _ in range(6)]
+    outcomes = []
+
+    class Model(torch.nn.Module):
+        def forward(self, rows):
+            outcomes.append(emb._table.prefetch_outcome)
+            return head(rows)
+
+    namespace = {"emb": emb, "loader": loader, "model": Model(), "opt": opt,
+                 "loss_fn": torch.nn.functional.mse_loss}
+    exec(compile(example, "README.md prefetch example", "exec"), namespace)
+    assert opt.state[emb.weight]["step"] == 5
+    assert outcomes[0] is None and all(o.startswith("taken") for o in outcomes[1:]), outcomes

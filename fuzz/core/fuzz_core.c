@@ -1,7 +1,7 @@
 /* libFuzzer harness for hostembed's C core (csrc/), no Python.
  *
  * Each input is decoded into one call of an entry point -- dedup, gather,
- * grad_reduce, renorm or SparseAdam -- on small random shapes (num_rows
+ * grad_reduce, renorm, SparseAdam or the fused backward + SparseAdam -- on small random shapes (num_rows
  * < 64, dim < 18, row strides up to dim + 3, buffers exactly as large as
  * the shape needs or a little short), random ids (int32 or int64, in and
  * out of range, repeated, unsorted), random floats (NaN, inf, subnormals,
@@ -22,7 +22,8 @@
  *                untouched, rows over it scaled by one factor to max_norm
  *                (the norm from a long double reference);
  *   SparseAdam   bit for bit the documented float32 update after
- *                coalescing repeated rows;
+ *                coalescing repeated rows; fused: the same update of
+ *                grad_reduce's sums (padding_idx, scale_grad_by_freq);
  * and every refusal is the documented one with nothing written: a table
  * that does not fit its buffer or a bad argument -> HE_ERR_VALUE, an id out
  * of range -> HE_ERR_INDEX naming the first bad position (gather may have
@@ -605,11 +606,17 @@ static void ref_adam_row(float *w, float *m, float *v, const float *g_row, int64
     }
 }
 
-static void fuzz_sparse_adam(reader *r)
+/* SparseAdam, or with fused the fused backward (he_sparse_adam_fused: the
+ * ids' dedup and the output-gradient rows, with padding_idx and
+ * scale_grad_by_freq), against the same reference. */
+static void fuzz_sparse_adam(reader *r, int fused)
 {
     static const double lrs[] = {1e-3, 0.5, 0.0, 10.0};
     static const double betas[][2] = {{0.9, 0.999}, {0.0, 0.0}, {0.5, 0.99}, {0.999999, 0.9}};
     int64_t num_rows = rows_of(r, 0), dim = u8(r) % 18;
+    /* Rows wider than the fused pass's column block, now and then. */
+    if (fused && dim == 17)
+        dim = 250 + u8(r) % 20;
     fz_table w = make_table(r, num_rows, dim), m = make_table(r, num_rows, dim), v = make_table(r, num_rows, dim);
     for (size_t i = 0; i < v.floats; i++) /* a second moment is >= 0 (NaN allowed) */
         v.mem[i] = fabsf(v.mem[i]);
@@ -639,21 +646,47 @@ static void fuzz_sparse_adam(reader *r)
     memcpy(m0, m.mem, m.floats * sizeof(float));
     memcpy(v0, v.mem, v.floats * sizeof(float));
 
-    he_status st = he_sparse_adam(&w.t, &mt, &v.t, indices, values, nnz, &hp);
+    uint8_t fk = fused ? u8(r) : 0;
+    int64_t padding = -1;
+    int scale = 0, other_rows = 0;
+    he_status st;
+    he_dedup *d = NULL;
+    if (!fused) {
+        st = he_sparse_adam(&w.t, &mt, &v.t, indices, values, nnz, &hp);
+    } else {
+        padding = (fk & 3) == 0 ? -1 : (fk & 3) == 1 && num_rows > 0 ? (int64_t)(u8(r) % num_rows)
+                  : nnz > 0 ? indices[0] : -1;
+        scale = (fk >> 2) & 1;
+        /* A dedup built for another row count (of valid ids: one more row
+         * would make an id equal to num_rows valid). */
+        other_rows = (fk >> 3) % 8 == 0 && ids.first_bad < 0;
+        /* Bad ids never reach the fused pass: the dedup refuses them. */
+        st = he_dedup_build(&ids.view, num_rows + other_rows, &d);
+        if (st == HE_OK) {
+            he_reduce_opts opts = {padding, scale};
+            st = he_sparse_adam_fused(d, values, &opts, &w.t, &mt, &v.t, &hp);
+        }
+    }
     int refused = 1;
     /* The core's order: the three tables, then step, then the indices. */
     int m_fits = alias ? w.fits : m.fits;
-    if (!w.fits || !m_fits || !v.fits || wrong_state || (alias && num_rows > 0 && dim > 0)) {
+    if (fused && ids.first_bad >= 0) {
+        require_index_error(st, &ids, num_rows);
+    } else if (!w.fits || !m_fits || !v.fits || wrong_state || (alias && num_rows > 0 && dim > 0)) {
         REQUIRE(st == HE_ERR_VALUE, "status %d for fits %d/%d/%d wrong_state %d alias %d", (int)st, w.fits, m_fits,
                 v.fits, wrong_state, alias);
     } else if (hp.step < 1) {
         REQUIRE(st == HE_ERR_VALUE, "step %" PRId64 ": status %d", hp.step, (int)st);
+    } else if (fused && other_rows) {
+        REQUIRE(st == HE_ERR_VALUE, "a dedup of %" PRId64 " rows for a table of %" PRId64 ": status %d",
+                num_rows + 1, num_rows, (int)st);
     } else if (ids.first_bad >= 0) {
         require_index_error(st, &ids, num_rows);
     } else {
         REQUIRE(st == HE_OK, "status %d", (int)st);
         refused = 0;
     }
+    he_dedup_free(d);
     if (refused) {
         REQUIRE(memcmp(w0, w.mem, w.floats * sizeof(float)) == 0, "a refused step wrote the weight");
         REQUIRE(memcmp(m0, m.mem, m.floats * sizeof(float)) == 0, "a refused step wrote exp_avg");
@@ -666,11 +699,14 @@ static void fuzz_sparse_adam(reader *r)
         int64_t *start, *pos;
         group_positions(indices, nnz, num_rows, &start, &pos);
         for (int64_t id = 0; id < num_rows; id++) {
-            if (start[id] == start[id + 1])
+            if (start[id] == start[id + 1] || id == padding)
                 continue;
+            float s = (float)(1.0 / (double)(start[id + 1] - start[id]));
             for (int64_t k = start[id]; k < start[id + 1]; k++)
-                for (int64_t j = 0; j < dim; j++)
-                    sum[j] = k == start[id] ? values[pos[k] * dim + j] : sum[j] + values[pos[k] * dim + j];
+                for (int64_t j = 0; j < dim; j++) {
+                    float term = scale ? values[pos[k] * dim + j] * s : values[pos[k] * dim + j];
+                    sum[j] = k == start[id] ? term : sum[j] + term;
+                }
             ref_adam_row(w0 + id * w.t.row_stride, m0 + id * m.t.row_stride, v0 + id * v.t.row_stride, sum, dim, &hp);
         }
         free(start);
@@ -708,12 +744,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int threads = 1 + (head >> 4) % 4;
     if (g_big && he_get_num_threads() != threads && he_set_num_threads(threads) != HE_OK)
         abort();
-    switch (head % 5) {
+    switch (head % 6) {
     case 0: fuzz_dedup(&r); break;
     case 1: fuzz_gather(&r); break;
     case 2: fuzz_grad_reduce(&r); break;
     case 3: fuzz_renorm(&r); break;
-    default: fuzz_sparse_adam(&r); break;
+    case 4: fuzz_sparse_adam(&r, 0); break;
+    default: fuzz_sparse_adam(&r, 1); break;
     }
     return 0;
 }

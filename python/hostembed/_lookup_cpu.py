@@ -5,8 +5,9 @@ from ._ids import prepare_ids
 
 
 def lookup(module, ids):
-    out = _ops.embedding_lookup(module.weight, prepare_ids(ids), _padding(module), _max_norm(module), float(module.norm_type),
-                      module.scale_grad_by_freq, module.sparse)
+    lookup_fn = _ops.fused_embedding_lookup if module._table.fused else _ops.embedding_lookup
+    out = lookup_fn(module.weight, prepare_ids(ids), _padding(module), _max_norm(module), float(module.norm_type),
+                    module.scale_grad_by_freq, module.sparse)
     if module.output_device.type != "cpu":
         out = out.to(module.output_device)
     return out

@@ -24,9 +24,10 @@ from ._lookup_cpu import _max_norm, _padding
 
 def lookup(module, ids):
     check_ids(ids)
-    return _ops.embedding_gpu_lookup(module.weight, module._table.handle, ids, resolve_device(module.output_device),
-                                     _padding(module), _max_norm(module), float(module.norm_type),
-                                     module.scale_grad_by_freq, module.sparse)
+    lookup_fn = _ops.fused_embedding_gpu_lookup if module._table.fused else _ops.embedding_gpu_lookup
+    return lookup_fn(module.weight, module._table.handle, ids, resolve_device(module.output_device),
+                     _padding(module), _max_norm(module), float(module.norm_type), module.scale_grad_by_freq,
+                     module.sparse)
 
 
 class GradTwin:

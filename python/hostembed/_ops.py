@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _C
+from . import _C, _fused
 from ._ids import ID_DTYPES
 from ._table import host_table_of, table_by_handle
 
@@ -135,8 +135,14 @@ def lookup(weight: Tensor, ids: Tensor, padding_idx: int, max_norm: Optional[flo
 
 
 def _lookup_rows(weight, ids, max_norm, norm_type):
-    """(weight[ids], the ids' Dedup when max_norm sorted them, else None)."""
+    """(weight[ids], the ids' Dedup when max_norm sorted them, else None,
+    the table)."""
     table = host_table_of(weight, "a lookup")
+    prefetch, table.prefetch = table.prefetch, None
+    if prefetch is not None and max_norm is None:
+        out = prefetch.take(weight, ids)
+        if out is not None:
+            return out, None, table
     ids_args = _cpu_ids(ids)
     # The table's own buffer: host_table_of checked that weight is exactly it.
     rows = {"table": table.buffer, "num_rows": table.num_rows, "dim": table.dim}
@@ -148,8 +154,20 @@ def _lookup_rows(weight, ids, max_norm, norm_type):
         table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
         if dedup is not None:
             _C.renorm(**rows, dedup=dedup, max_norm=float(max_norm), norm_type=float(norm_type))
+            table.rows_changed(ids)
         _C.gather(**rows, **ids_args, out=_address(out))
-    return out, dedup
+    return out, dedup, table
+
+
+def gather_rows(weight, ids):
+    """weight[ids] as a plain tensor (no autograd, no max_norm): the
+    gather of Embedding.prefetch."""
+    table = host_table_of(weight, "a prefetch")
+    out = scratch(*ids.shape, table.dim)
+    with table.lock:
+        table.wait_for_gpu_use()
+        _C.gather(table=table.buffer, num_rows=table.num_rows, dim=table.dim, **_cpu_ids(ids), out=_address(out))
+    return out
 
 
 @lookup.op.register_fake
@@ -205,6 +223,10 @@ def _lookup_backward(ctx, grad_out):
     grad = None
     if ctx.needs_input_grad[0]:
         dedup = getattr(ctx, "dedup", None)
+        table = getattr(ctx, "table", None)  # eager only: fused tables are looked up eagerly
+        if table is not None and table.fused and _fused.take_gradient(
+                table, _fused.CpuGradient(ids, grad_out, padding_idx, scale_grad_by_freq, dedup)):
+            return (None,) * 7  # applied when the backward pass ends; no weight.grad
         if dedup is not None:  # eager, with max_norm: the forward's sort
             indices, values = _reduce_rows(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq, dedup)
         elif torch.compiler.is_compiling():
@@ -224,7 +246,7 @@ class _LookupEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
-        out, ctx.dedup = _lookup_rows(weight, ids, max_norm, norm_type)
+        out, ctx.dedup, ctx.table = _lookup_rows(weight, ids, max_norm, norm_type)
         _lookup_setup(ctx, (weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse), out)
         return out
 
@@ -235,6 +257,14 @@ def embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_grad_b
     """weight[ids] on the CPU, differentiable (see lookup)."""
     args = (weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
     return lookup.op(*args) if torch.compiler.is_compiling() else _LookupEager.apply(*args)
+
+
+@torch.compiler.disable
+def fused_embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+    """embedding_lookup of a fused table: always eager (a graph break under
+    torch.compile), since its backward queues the update with autograd's
+    engine (_fused.py), which a compiled backward cannot do."""
+    return _LookupEager.apply(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
 
 
 # ---- the optimizer update on the CPU
@@ -255,6 +285,7 @@ def sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indices: T
         _C.sparse_adam(weight=table.buffer, **state, num_rows=table.num_rows, dim=table.dim,
                        indices=_address(indices), values=_address(values), nnz=indices.numel(), lr=lr, beta1=beta1,
                        beta2=beta2, eps=eps, step=step, maximize=maximize)
+        table.rows_changed(indices)
 
 
 def _state_buffers(table, exp_avg, exp_avg_sq):
@@ -294,6 +325,38 @@ def _(weight, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps, step,
 def adam_update(*args, **hyper):
     """sparse_adam_ (the op under torch.compile)."""
     return (sparse_adam_.op if torch.compiler.is_compiling() else sparse_adam_)(*args, **hyper)
+
+
+def fused_adam_update(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, gradient, *, lr: float, beta1: float,
+                      beta2: float, eps: float, step: int, maximize: bool) -> None:
+    """A CPU lookup's backward and SparseAdam's update in one pass of the
+    core (the fused mode, _fused.py): gradient is the lookup's
+    _fused.CpuGradient. The same bits as grad_reduce then sparse_adam_.
+    Eager only."""
+    table = host_table_of(weight, "SparseAdam")
+    state = _state_buffers(table, exp_avg, exp_avg_sq)
+    ids = gradient.ids.reshape(-1).contiguous()
+    rows = _float_rows(gradient.grad, ids.numel(), table.dim, "cpu")
+    dedup = gradient.dedup
+    if dedup is None:
+        dedup = _C.Dedup(**_cpu_ids(ids), num_rows=table.num_rows)
+    with table.lock:
+        table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
+        _C.sparse_adam_fused(dedup=dedup, grad=_address(rows), padding_idx=gradient.padding_idx,
+                             scale_grad_by_freq=gradient.scale_grad_by_freq, weight=table.buffer, **state,
+                             num_rows=table.num_rows, dim=table.dim, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                             step=step, maximize=maximize)
+        table.rows_changed(ids)
+
+
+def reduce_to_host(table, gradient):
+    """A fused table's lookup gradient (_fused.CpuGradient or GpuGradient)
+    reduced as its unfused backward would: (indices, values) on the CPU."""
+    if isinstance(gradient, _fused.CpuGradient):
+        return _reduce_rows(gradient.ids, gradient.grad, table.num_rows, gradient.padding_idx,
+                            gradient.scale_grad_by_freq, gradient.dedup)
+    indices, values = gradient.wait()
+    return indices.cpu(), values.cpu()
 
 
 def _check_state(table, *state):
@@ -369,6 +432,7 @@ def gpu_lookup(weight: Tensor, table_handle: int, ids: Tensor, device: torch.dev
             inverse=_address(inverse), **where)
         if max_norm is not None:
             # In place before the gather, outside autograd (as torch does).
+            table.rows_changed(None)
             _C.cuda_renorm(**rows_of, rows=_address(unique), count=num_unique, max_norm=float(max_norm),
                            norm_type=float(norm_type), **where)
         # dtype spelled out: the kernels write float32 whatever
@@ -411,6 +475,31 @@ def gpu_grad_reduce(table_handle: int, grad: Tensor, unique: Tensor, offsets: Te
 
     table = table_by_handle(table_handle, "a GPU backward")
     device, dim = unique.device, table.dim
+    indices, values = gpu_reduce(table, grad, unique, offsets, order, inverse, info, scale_grad_by_freq)
+    kept = indices.numel()
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        # Pinned staging from torch's caching host allocator: a per-step
+        # buffer reused step after step, unlike the table, for which
+        # pin_memory() is never used. Its power-of-two rounding costs at
+        # most one extra gradient's worth of pinned memory.
+        indices_cpu = torch.empty(kept, dtype=torch.int64, pin_memory=True)
+        values_cpu = torch.empty(kept, dim, dtype=torch.float32, pin_memory=True)
+        if kept:
+            indices_cpu.copy_(indices, non_blocking=True)
+            values_cpu.copy_(values, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+            done.synchronize()
+    table.grad_twin = GradTwin(indices, values, indices_cpu, values_cpu, table.num_rows) if table.twin_wanted \
+        else None
+    return indices_cpu, values_cpu
+
+
+def gpu_reduce(table, grad, unique, offsets, order, inverse, info, scale_grad_by_freq):
+    """The GPU backward's sums per unique id, left on the GPU: (indices [k],
+    values [k, D]) on torch's current stream, padding_idx's row left out."""
+    device, dim = unique.device, table.dim
     num_unique, padding_slot = info.tolist()
     count = inverse.numel()
     kept = num_unique - (padding_slot >= 0)
@@ -429,21 +518,7 @@ def gpu_grad_reduce(table_handle: int, grad: Tensor, unique: Tensor, offsets: Te
                 padding_slot=padding_slot, scale_grad_by_freq=scale_grad_by_freq, workspace=_address(workspace),
                 workspace_bytes=ws_bytes, values=_address(values), indices=_address(indices),
                 device=device.index, stream=stream.cuda_stream)
-        # Pinned staging from torch's caching host allocator: a per-step
-        # buffer reused step after step, unlike the table, for which
-        # pin_memory() is never used. Its power-of-two rounding costs at
-        # most one extra gradient's worth of pinned memory.
-        indices_cpu = torch.empty(kept, dtype=torch.int64, pin_memory=True)
-        values_cpu = torch.empty(kept, dim, dtype=torch.float32, pin_memory=True)
-        if kept:
-            indices_cpu.copy_(indices, non_blocking=True)
-            values_cpu.copy_(values, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-            done.synchronize()
-    table.grad_twin = GradTwin(indices, values, indices_cpu, values_cpu, table.num_rows) if table.twin_wanted \
-        else None
-    return indices_cpu, values_cpu
+    return indices, values
 
 
 @gpu_grad_reduce.op.register_fake
@@ -464,13 +539,23 @@ def _gpu_lookup_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _gpu_lookup_backward(reduce):
+def _gpu_lookup_backward(reduce, eager):
     def backward(ctx, grad_out, *unused):
         unique, offsets, order, inverse, info = ctx.saved_tensors
         scale_grad_by_freq, sparse = ctx.spec
         num_rows, dim = ctx.table_shape
         grad = None
         if ctx.needs_input_grad[0]:
+            # Fused tables are looked up eagerly (fused_embedding_gpu_lookup).
+            table = table_by_handle(ctx.table_handle, "a GPU backward") if eager else None
+            if table is not None and table.fused and _fused.optimizer_of(table) is not None:
+                # Summed here, on this node's stream, where grad_out is ready.
+                indices, values = gpu_reduce(table, grad_out, unique, offsets, order, inverse, info,
+                                             scale_grad_by_freq)
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(values.device))
+                if _fused.take_gradient(table, _fused.GpuGradient(indices, values, ready)):
+                    return (None,) * 9  # applied when the backward pass ends; no weight.grad
             indices, values = reduce(ctx.table_handle, grad_out, unique, offsets, order, inverse, info,
                                      scale_grad_by_freq)
             grad = weight_grad(indices, values, num_rows, dim, sparse)
@@ -478,8 +563,8 @@ def _gpu_lookup_backward(reduce):
     return backward
 
 
-gpu_lookup.op.register_autograd(_gpu_lookup_backward(gpu_grad_reduce.op), setup_context=_gpu_lookup_setup)
-_gpu_lookup_eager = _eager_autograd(gpu_lookup, _gpu_lookup_setup, _gpu_lookup_backward(gpu_grad_reduce))
+gpu_lookup.op.register_autograd(_gpu_lookup_backward(gpu_grad_reduce.op, False), setup_context=_gpu_lookup_setup)
+_gpu_lookup_eager = _eager_autograd(gpu_lookup, _gpu_lookup_setup, _gpu_lookup_backward(gpu_grad_reduce, True))
 
 
 def embedding_gpu_lookup(weight, table_handle, ids, device, padding_idx, max_norm, norm_type, scale_grad_by_freq,
@@ -488,6 +573,15 @@ def embedding_gpu_lookup(weight, table_handle, ids, device, padding_idx, max_nor
     args = (weight, table_handle, ids, device, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
     outputs = gpu_lookup.op(*args) if torch.compiler.is_compiling() else _gpu_lookup_eager.apply(*args)
     return outputs[0]
+
+
+@torch.compiler.disable
+def fused_embedding_gpu_lookup(weight, table_handle, ids, device, padding_idx, max_norm, norm_type,
+                               scale_grad_by_freq, sparse):
+    """embedding_gpu_lookup of a fused table: always eager (see
+    fused_embedding_lookup)."""
+    return _gpu_lookup_eager.apply(weight, table_handle, ids, device, padding_idx, max_norm, norm_type,
+                                   scale_grad_by_freq, sparse)[0]
 
 
 @_custom_op("hostembed::gpu_sparse_adam_", mutates_args=("weight", "exp_avg", "exp_avg_sq"))
@@ -509,6 +603,7 @@ def gpu_sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indice
         stream = torch.cuda.current_stream(device)
         # After any GPU work on the rows (a gather on another stream).
         table.order_after_gpu_use(stream)
+        table.rows_changed(None)
         _C.cuda_sparse_adam(weight=w, exp_avg=m, exp_avg_sq=v, num_rows=table.num_rows, dim=table.dim,
                             indices=_address(indices), values=_address(values), nnz=indices.numel(), lr=lr,
                             beta1=beta1, beta2=beta2, eps=eps, step=step, maximize=maximize, device=device.index,

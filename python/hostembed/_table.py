@@ -140,6 +140,20 @@ class HostTable:
         self.grad_twin = None
         # Where SparseAdam(update="auto") settled for this table.
         self.update_chooser = None
+        # The fused mode (_fused.py): a weak reference to the
+        # SparseAdam(fused=True) that updates this table in backward, the
+        # gradients of this backward pass waiting for its end, and whether
+        # an update was applied since that optimizer's last step().
+        # `fused` is the plain flag that forward reads (also under
+        # torch.compile, which runs a fused table's lookup eagerly).
+        self.fused = False
+        self.fused_optimizer = None
+        self.fused_pending = None
+        self.fused_awaiting_step = False
+        # The outstanding Embedding.prefetch (_prefetch.Prefetch), or None,
+        # and what the last lookup that found one did with it.
+        self.prefetch = None
+        self.prefetch_outcome = None
         # Held by every op around its work on the rows or the state (CPU
         # core calls, and GPU launches with the waits that order them), so
         # that each op is atomic relative to the others: a lookup in one
@@ -210,6 +224,15 @@ class HostTable:
         if tensor.numel() == 0:
             return self.buffer
         return self._buffers[tensor.data_ptr()]
+
+    def rows_changed(self, rows=None):
+        """Called by whatever writes the rows (the ops, loads): `rows` the
+        ids written (a tensor, repeats allowed), None for any. An
+        outstanding prefetch re-reads them, or is dropped (None)."""
+        prefetch = self.prefetch
+        if prefetch is not None:
+            prefetch.changed.append(None if rows is None or rows.device.type != "cpu"
+                                    else rows.reshape(-1).to(torch.int64))
 
     # ---- CUDA registration (lazy)
 

@@ -287,6 +287,7 @@ class _Load:
             for key, param, table in host:
                 table.check_process()
                 table.wait_for_gpu_use()  # no kernel may still read the rows about to change
+                table.rows_changed(None)
                 done.append(f"the rows of '{key}'")
                 fill(table.tensor, saved_model[key], f"loading {key}")
             for index, plan in enumerate(plans):

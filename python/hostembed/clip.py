@@ -9,6 +9,9 @@ import math
 
 import torch
 
+from . import _fused
+from ._table import table_of
+
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
     """torch.nn.utils.clip_grad_norm_ for parameters whose gradients may be
@@ -22,6 +25,16 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
+    parameters = list(parameters)
+    for p in parameters:
+        table = table_of(p)
+        if table is not None and _fused.optimizer_of(table) is not None:
+            # Its update already ran in backward: clipping the others alone
+            # would scale a different total than the caller asked for.
+            raise RuntimeError(
+                "hostembed.clip_grad_norm_: a table updated by SparseAdam(fused=True) has no gradient to clip "
+                "(its update is applied in backward); use SparseAdam(fused=False) to clip it, or leave the "
+                "table out of the clipped parameters")
     params = [p for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     if not params:

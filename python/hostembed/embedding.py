@@ -6,9 +6,11 @@ import warnings
 import torch
 from torch import nn
 
-from . import _lookup_cpu, _lookup_gpu, _validate
+from . import _lookup_cpu, _lookup_gpu, _ops, _validate
 from ._cuda import require_cuda, resolve_device, unavailable_reason
 from ._files import FileRows, open_table
+from ._ids import prepare_ids
+from ._prefetch import Prefetch
 from ._stream import copy_rows, read_rows
 from ._table import HostTable
 
@@ -110,6 +112,31 @@ class Embedding(nn.Embedding):
             self._last_lookup_path = "gpu" if gpu else "cpu"
         return out
 
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Starts gathering the rows of `ids` in the background, for the next
+        lookup: call it with the next batch's ids as soon as they are known,
+        then run this step as usual. If the module's next call is on the same
+        ids, it takes the prefetched rows, re-reading the ones this step's
+        optimizer update (or anything else) changed meanwhile, so the output
+        is bit for bit what it would be without prefetch; any other call
+        drops them. An id out of range raises at that call, as always.
+
+        CPU outputs only for now (NotImplementedError for GPU outputs). With
+        max_norm, rows are renormed at lookup time, so there is nothing to
+        prefetch, and the call does nothing.
+        """
+        self._prepare_weight()
+        if self._output_device.type != "cpu":
+            raise NotImplementedError(
+                f"hostembed.Embedding.prefetch: implemented for CPU outputs; this module's outputs are on "
+                f"{self._output_device}")
+        ids = prepare_ids(ids)
+        table = self._table
+        table.prefetch = None
+        if self.max_norm is None:
+            weight = self.weight
+            table.prefetch = Prefetch(table, weight, ids, lambda i: _ops.gather_rows(weight, i))
+
     def _prepare_weight(self) -> None:
         """Checks that the weight still is the table's memory, and pins the
         table on its first GPU lookup (warning and falling back to the CPU
@@ -139,6 +166,7 @@ class Embedding(nn.Embedding):
                 "shape (hostembed.Embedding.from_pretrained)"
             )
         table.wait_for_gpu_use()
+        table.rows_changed(None)
         copy_rows(table.tensor, new.detach())
         weight.data = table.tensor
         table.bind(weight)
@@ -268,6 +296,7 @@ class Embedding(nn.Embedding):
             (strict if top_strict is None else top_strict) and len(unexpected_keys) > unexpected)
         if copy_from is not None and not refused:
             self._table.wait_for_gpu_use()  # no kernel may still read the rows about to change
+            self._table.rows_changed(None)
             copy_rows(self.weight.data, copy_from.detach(), desc=f"loading {key}")
 
     def _get_name(self):

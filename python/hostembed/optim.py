@@ -1,11 +1,13 @@
 """hostembed.SparseAdam: torch.optim.SparseAdam, done in place by the C core
 for hostembed tables."""
 import time
+import warnings
+import weakref
 
 import torch
 from torch.optim import _functional as torch_functional
 
-from . import _ops, _validate
+from . import _fused, _ops, _validate
 from ._lookup_gpu import take_grad_twin
 from ._stream import copy_rows
 from ._table import table_of
@@ -40,18 +42,46 @@ class SparseAdam(torch.optim.SparseAdam):
     and they stay pinned). All give the same bits. The update is complete in host
     memory when step() returns. Tables with CPU outputs always update on
     the CPU.
+
+    ``fused=True`` applies each hostembed table's update in backward, at
+    the end of the backward pass, straight from the lookup's output
+    gradient: no ``weight.grad`` is built, and the gradient never goes
+    through memory (CPU) or to the host (GPU outputs, updated on the GPU
+    unless ``update="cpu"``). The weights and moments are the same bits as
+    unfused training. step() must follow each backward() (gradient
+    accumulation over several backward() calls raises RuntimeError), and
+    the tables' gradients cannot be clipped or inspected. Other parameters
+    are updated by step() as usual; state_dict() is the same either way.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, *, update=DEFAULT_UPDATE):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, *, update=DEFAULT_UPDATE,
+                 fused=False):
         if update not in UPDATES:
             raise ValueError(f"SparseAdam: update must be one of {UPDATES}, got {update!r}")
-        self.update = update  # before torch's __init__, which calls add_param_group
+        if not isinstance(fused, bool):
+            raise TypeError(f"SparseAdam: fused must be a bool, got {type(fused).__name__}")
+        if fused and torch.distributed.is_available() and torch.distributed.is_initialized():
+            warnings.warn(
+                "SparseAdam(fused=True) under torch.distributed: each process updates its tables from its own "
+                "batch in backward, with no all-reduce, and DistributedDataParallel cannot wrap a fused table "
+                "(its reducer fails with 'Expected sparse gradient to be defined'). Use fused=False for "
+                "replicated tables", UserWarning, stacklevel=2)
+        # Before torch's __init__, which calls add_param_group.
+        self.update, self.fused = update, fused
         super().__init__(params, lr=lr, betas=betas, eps=eps, maximize=maximize)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
-            self._want_grad_twin(table_of(p))
+        tables = [t for t in map(table_of, self.param_groups[-1]["params"]) if t is not None]
+        if self.fused:
+            if any(_fused.optimizer_of(t) not in (None, self) for t in tables):
+                self.param_groups.pop()
+                raise ValueError("SparseAdam(fused=True): a hostembed table in these parameters is already "
+                                 "updated in backward by another fused SparseAdam; a table can have one")
+            for table in tables:
+                table.fused_optimizer, table.fused = weakref.ref(self), True
+        for table in tables:
+            self._want_grad_twin(table)
 
     def _want_grad_twin(self, table):
         """Asks backward to keep the gradient on the GPU while an update
@@ -73,6 +103,10 @@ class SparseAdam(torch.optim.SparseAdam):
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
             for p in group["params"]:
+                if self.fused:
+                    table = table_of(p)
+                    if table is not None and table.fused_optimizer is not None:
+                        table.fused_awaiting_step = False  # its update ran in backward
                 if p.grad is None:
                     continue
                 if not p.grad.is_sparse:
@@ -125,6 +159,86 @@ class SparseAdam(torch.optim.SparseAdam):
 
         # Taken (and so released) whatever the mode: it holds GPU memory.
         twin = take_grad_twin(table, grad)
+        exp_avg, exp_avg_sq, step = self._table_state(p, table)
+        hyper = self._hyper(group, step + 1)
+        mode, chooser = "cpu", None
+        if twin is not None:
+            mode = self.update
+            if mode == "auto":
+                if table.update_chooser is None:
+                    table.update_chooser = UpdateChooser()
+                chooser = table.update_chooser if not table.update_chooser.settled else None
+                mode = table.update_chooser.next_mode()
+        # Pins and maps the state on its first GPU update; a buffer CUDA
+        # refused to pin (warned then) sends the update to the CPU.
+        on_gpu = mode == "gpu" and self._gpu_ready(p, table, exp_avg, exp_avg_sq, twin.device)
+        self._last_update = "gpu" if on_gpu else "cpu"
+        if chooser is not None:
+            # Timed from an idle device: the work queued before step() is
+            # not the update's.
+            torch.cuda.synchronize(twin.device)
+            start = time.perf_counter()
+        if on_gpu:
+            _ops.gpu_adam_update(p, exp_avg, exp_avg_sq, twin.indices, twin.values, **hyper)
+        else:
+            _ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
+        if chooser is not None:
+            chooser.record(self._last_update, time.perf_counter() - start)
+        self._want_grad_twin(table)
+        # Recorded only once the core accepted the gradient: a refused one
+        # leaves weights, moments, step (and an empty state) as they were.
+        self.state[p].update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+
+    def _fused_update(self, table, gradients):
+        """The fused mode's update of `table` with the lookup gradients of
+        one backward pass (called by _fused at the pass's end)."""
+        p, group = self._param_of(table)
+        exp_avg, exp_avg_sq, step = self._table_state(p, table)
+        hyper = self._hyper(group, step + 1)
+        if len(gradients) > 1:
+            # One update of the summed gradient, as unfused: the reduced
+            # gradients concatenated in the order autograd would have
+            # accumulated them; the core sums repeated rows in that order.
+            parts = [_ops.reduce_to_host(table, g) for g in gradients]
+            indices, values = torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
+            _ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
+            self._last_update = "cpu"
+        elif isinstance(gradients[0], _fused.CpuGradient):
+            _ops.fused_adam_update(p, exp_avg, exp_avg_sq, gradients[0], **hyper)
+            self._last_update = "cpu"
+        else:
+            # GPU outputs: the sums stay on the GPU and the kernel updates
+            # through the pinned mapping ("auto" too: the update needs no
+            # copy of the gradient to the host, which is what "cpu" costs).
+            indices, values = gradients[0].wait()
+            if self.update != "cpu" and self._gpu_ready(p, table, exp_avg, exp_avg_sq, values.device):
+                _ops.gpu_adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
+                self._last_update = "gpu"
+            else:
+                _ops.adam_update(p, exp_avg, exp_avg_sq, indices.cpu(), values.cpu(), **hyper)
+                self._last_update = "cpu"
+        self.state[p].update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+
+    def _param_of(self, table):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if table_of(p) is table:
+                    return p, group
+        raise RuntimeError("hostembed: SparseAdam(fused=True) no longer holds this table's weight")
+
+    @staticmethod
+    def _gpu_ready(p, table, exp_avg, exp_avg_sq, device):
+        return all(table.device_address(t, device) is not None for t in (p, exp_avg, exp_avg_sq))
+
+    @staticmethod
+    def _hyper(group, step):
+        beta1, beta2 = group["betas"]
+        return {"lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
+                "eps": float(group["eps"]), "step": step, "maximize": bool(group.get("maximize", False))}
+
+    def _table_state(self, p, table):
+        """(exp_avg, exp_avg_sq, step) of a host table: new zeroed buffers
+        of the table before its first update."""
         state = self.state.get(p)  # not self.state[p]: a defaultdict would add an entry
         if not state:
             exp_avg, exp_avg_sq, step = table.zeros(), table.zeros(), 0
@@ -147,37 +261,7 @@ class SparseAdam(torch.optim.SparseAdam):
                 return copy
 
             exp_avg, exp_avg_sq = own(exp_avg), own(exp_avg_sq)
-        beta1, beta2 = group["betas"]
-        hyper = {"lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
-                 "eps": float(group["eps"]), "step": step + 1, "maximize": bool(group.get("maximize", False))}
-        mode, chooser = "cpu", None
-        if twin is not None:
-            mode = self.update
-            if mode == "auto":
-                if table.update_chooser is None:
-                    table.update_chooser = UpdateChooser()
-                chooser = table.update_chooser if not table.update_chooser.settled else None
-                mode = table.update_chooser.next_mode()
-        # Pins and maps the state on its first GPU update; a buffer CUDA
-        # refused to pin (warned then) sends the update to the CPU.
-        on_gpu = mode == "gpu" and all(table.device_address(t, twin.device) is not None
-                                       for t in (p, exp_avg, exp_avg_sq))
-        self._last_update = "gpu" if on_gpu else "cpu"
-        if chooser is not None:
-            # Timed from an idle device: the work queued before step() is
-            # not the update's.
-            torch.cuda.synchronize(twin.device)
-            start = time.perf_counter()
-        if on_gpu:
-            _ops.gpu_adam_update(p, exp_avg, exp_avg_sq, twin.indices, twin.values, **hyper)
-        else:
-            _ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
-        if chooser is not None:
-            chooser.record(self._last_update, time.perf_counter() - start)
-        self._want_grad_twin(table)
-        # Recorded only once the core accepted the gradient: a refused one
-        # leaves weights, moments, step (and an empty state) as they were.
-        self.state[p].update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+        return exp_avg, exp_avg_sq, step
 
     def load_state_dict(self, state_dict):
         """torch's load_state_dict, all or nothing, with the state of host

@@ -1395,6 +1395,71 @@ static void test_sparse_adam(void)
 
 /* Scratch buffers are reused for the same size class, never handed out
  * twice, and dropped by he_scratch_trim. */
+/* The fused backward + update against grad_reduce then sparse_adam on
+ * copies: the same bits, for rows narrower and wider than its column block
+ * (256), padding_idx and scale_grad_by_freq, 1 and 3 threads; and its
+ * refusals change nothing. */
+static void test_sparse_adam_fused(void)
+{
+    group_begin();
+    const int64_t rows = 200, count = 700;
+    const int64_t dims[] = {1, 45, 256, 300, 600};
+    for (size_t di = 0; di < sizeof dims / sizeof *dims; di++) {
+        int64_t dim = dims[di];
+        int64_t *ids = xmalloc((size_t)count * sizeof *ids);
+        float *grad = xmalloc((size_t)(count * dim) * sizeof *grad);
+        for (int threads = 1; threads <= 3; threads += 2) {
+            for (int variant = 0; variant < 3; variant++) {
+                set_threads(threads);
+                g_rng = 777 + (uint64_t)dim; /* the same data for every thread count */
+                for (int64_t i = 0; i < count; i++) /* hot ids repeat often */
+                    ids[i] = (int64_t)(rng_below(4) ? rng_below(16) : rng_below((uint64_t)rows));
+                fill_uniform(grad, count * dim, -1.0, 1.0);
+                he_reduce_opts opts = {variant == 1 ? 5 : -1, variant == 2};
+                he_adam_params hp = {1e-2, 0.9, 0.999, 1e-8, 3, variant == 2};
+                adam_state s = state_new(rows, dim), r = state_copy(&s);
+                he_ids view = {ids, count, 1};
+                he_dedup *d = NULL;
+                CHECK_ST(he_dedup_build(&view, rows, &d), HE_OK);
+                he_table w = he_table_contiguous(s.w, (size_t)(rows * dim) * sizeof(float), rows, dim);
+                he_table m = he_table_contiguous(s.m, (size_t)(rows * dim) * sizeof(float), rows, dim);
+                he_table v = he_table_contiguous(s.v, (size_t)(rows * dim) * sizeof(float), rows, dim);
+                CHECK_ST(he_sparse_adam_fused(d, grad, &opts, &w, &m, &v, &hp), HE_OK);
+
+                float *values = xmalloc((size_t)(d->num_unique * dim) * sizeof *values);
+                int64_t *indices = xmalloc((size_t)d->num_unique * sizeof *indices);
+                int64_t nnz = 0;
+                CHECK_ST(he_grad_reduce(d, grad, dim, &opts, values, indices, &nnz), HE_OK);
+                CHECK_ST(core_adam(&r, indices, values, nnz, &hp), HE_OK);
+                CHECKF(state_equal(&s, &r), "dim %" PRId64 ", variant %d, threads %d: fused differs from "
+                       "grad_reduce + sparse_adam", dim, variant, threads);
+
+                /* Refused before any write: a dedup of another row count, step 0. */
+                adam_state before = state_copy(&s);
+                he_table w_more = he_table_contiguous(s.w, (size_t)(rows * dim) * sizeof(float), rows - 1, dim);
+                he_table m_more = he_table_contiguous(s.m, (size_t)(rows * dim) * sizeof(float), rows - 1, dim);
+                he_table v_more = he_table_contiguous(s.v, (size_t)(rows * dim) * sizeof(float), rows - 1, dim);
+                CHECK_ST(he_sparse_adam_fused(d, grad, &opts, &w_more, &m_more, &v_more, &hp), HE_ERR_VALUE);
+                CHECK_MSG("checked against 200 rows");
+                he_adam_params step0 = hp;
+                step0.step = 0;
+                CHECK_ST(he_sparse_adam_fused(d, grad, &opts, &w, &m, &v, &step0), HE_ERR_VALUE);
+                CHECK(state_equal(&s, &before));
+                state_free(&before);
+                free(values);
+                free(indices);
+                he_dedup_free(d);
+                state_free(&s);
+                state_free(&r);
+            }
+        }
+        free(ids);
+        free(grad);
+    }
+    set_threads(1);
+    group_end("sparse_adam_fused");
+}
+
 static void test_scratch(void)
 {
     group_begin();
@@ -1946,6 +2011,7 @@ int main(void)
     test_grad_reduce();
     test_renorm();
     test_sparse_adam();
+    test_sparse_adam_fused();
     test_scratch();
     test_negative_shapes();
     test_table_bounds();

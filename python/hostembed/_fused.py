@@ -1,0 +1,99 @@
+"""The fused mode of hostembed.SparseAdam (fused=True): a table's update is
+applied in backward, from the lookup's output gradient, and no weight.grad
+is built.
+
+When it runs. A lookup's backward hands its output gradient to the table
+(take_gradient) instead of returning a gradient for the weight. The first
+one of a backward pass queues a callback that autograd runs when the pass
+ends; it applies one update with everything the pass handed over. So a
+table looked up several times in one forward gets one update of the summed
+gradient, exactly as unfused training would (then through the unfused
+reduce and update: the case is rare). A single lookup, the usual case, goes
+through the core's fused pass: each unique id's gradient rows are summed
+into a buffer in L1 and go straight into that row's update, the same bits
+as backward followed by step(), without the gradient's round trip through
+memory (on the GPU path: without its copy to the host).
+
+The training loop keeps torch's protocol. step() marks the table ready for
+the next backward and updates the optimizer's other parameters as usual;
+zero_grad() has nothing to clear for a fused table. A backward that reaches
+a fused table again before step() is gradient accumulation, which a fused
+table cannot do (the first gradient is already applied): RuntimeError,
+nothing changed.
+"""
+import functools
+import weakref
+
+import torch
+
+ACCUMULATION_MESSAGE = (
+    "hostembed: this table is updated by SparseAdam(fused=True) in backward, and a second backward reached it "
+    "before optimizer.step(): gradient accumulation over several backward() calls cannot be fused (the first "
+    "gradient is already applied). Call step() after each backward(), or use SparseAdam(fused=False) to "
+    "accumulate"
+)
+
+
+class CpuGradient:
+    """A CPU lookup's output gradient, as its backward hands it over."""
+
+    __slots__ = ("ids", "grad", "padding_idx", "scale_grad_by_freq", "dedup")
+
+    def __init__(self, ids, grad, padding_idx, scale_grad_by_freq, dedup):
+        self.ids, self.grad, self.dedup = ids, grad, dedup
+        self.padding_idx, self.scale_grad_by_freq = padding_idx, scale_grad_by_freq
+
+
+class GpuGradient:
+    """A GPU lookup's gradient, already summed per unique id on the GPU by
+    its backward, on that backward's stream (autograd's end-of-pass
+    callback may run on another): the update waits for `ready` there."""
+
+    __slots__ = ("indices", "values", "ready")
+
+    def __init__(self, indices, values, ready):
+        self.indices, self.values, self.ready = indices, values, ready
+
+    def wait(self):
+        """(indices, values), ordered after the reduce on the current stream."""
+        torch.cuda.current_stream(self.values.device).wait_event(self.ready)
+        return self.indices, self.values
+
+
+def optimizer_of(table):
+    """The live SparseAdam(fused=True) updating table, or None."""
+    ref = table.fused_optimizer
+    return None if ref is None else ref()
+
+
+def take_gradient(table, gradient):
+    """Called by a lookup's backward; True when the table is fused and the
+    gradient was taken (the backward then returns no weight gradient)."""
+    opt = optimizer_of(table)
+    if opt is None:
+        return False
+    task = torch._C._current_graph_task_id()
+    pending = table.fused_pending
+    if pending is not None and pending[0] != task:
+        # Left by a backward pass that raised before its end (its callback
+        # never ran): that pass's gradients were never applied.
+        pending = table.fused_pending = None
+    if pending is None:
+        if table.fused_awaiting_step:
+            raise RuntimeError(ACCUMULATION_MESSAGE)
+        pending = table.fused_pending = (task, [])
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_apply, weakref.ref(table), weakref.ref(opt)))
+    pending[1].append(gradient)
+    return True
+
+
+def _apply(table_ref, opt_ref):
+    table, opt = table_ref(), opt_ref()
+    if table is None:
+        return
+    pending, table.fused_pending = table.fused_pending, None
+    if opt is None or pending is None or not pending[1]:
+        return
+    opt._fused_update(table, pending[1])
+    table.fused_awaiting_step = True
