@@ -1,7 +1,9 @@
 """One embedding training step on the CPU: hostembed against torch, on the same ids.
 
-Contenders (built one at a time and freed before the next, so the peak
-memory is about one of them):
+Contenders (torch's built one at a time and freed before the next; the
+three hostembed ones built together and timed in interleaved rounds, each
+round in a rotated order, so that their ratios do not depend on when the
+shared machine was busy):
   * hostembed.Embedding + hostembed.SparseAdam
   * the same with SparseAdam(fused=True): the update runs in backward, from
     the output gradient, with no weight.grad (step() only ends the step)
@@ -111,7 +113,9 @@ def build(make, args):
 def train_step(emb, opt, ids, grad_out, next_ids=None):
     """One step; returns the seconds of each phase (PHASES order). An
     embedding marked prefetch_next prefetches next_ids after its forward
-    (counted in forward)."""
+    (counted in forward), and its prefetch is finished within the step
+    (counted in zero_grad): in rounds, it must not overlap another
+    contender's step."""
     t0 = time.perf_counter()
     out = emb(ids)
     if next_ids is not None and getattr(emb, "prefetch_next", False):
@@ -122,6 +126,9 @@ def train_step(emb, opt, ids, grad_out, next_ids=None):
     opt.step()
     t3 = time.perf_counter()
     opt.zero_grad()
+    pending = getattr(getattr(emb, "_table", None), "prefetch", None)
+    if pending is not None:
+        pending._thread.join()
     t4 = time.perf_counter()
     return t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
@@ -136,20 +143,33 @@ def warm_up(emb, opt, batches, grad_out, desc):
 
 
 def timed_steps(emb, opt, batches, grad_out, desc, peak):
+    return timed_rounds({desc: (emb, opt)}, batches, grad_out, desc, peak)[desc]
+
+
+def timed_rounds(contenders, batches, grad_out, desc, peak):
+    """Every contender ({name: (emb, opt)}) steps on each batch in turn, the
+    order rotated each round. The peak RSS window covers them all."""
     peak.start()
-    per_phase = {name: [] for name in PHASES}
-    totals = []
+    names = list(contenders)
+    per_phase = {n: {name: [] for name in PHASES} for n in names}
+    totals = {n: [] for n in names}
     for i, ids in enumerate(progress(batches, desc)):
-        phases = train_step(emb, opt, ids, grad_out, batches[i + 1] if i + 1 < len(batches) else None)
-        for name, seconds in zip(PHASES, phases):
-            per_phase[name].append(seconds)
-        totals.append(sum(phases))
-    result = summarize_ms(totals)
-    result["steps_per_s"] = 1e3 / result["median_ms"]
-    result["phases_median_ms"] = {name: summarize_ms(s)["median_ms"] for name, s in per_phase.items()}
-    result["step_ms"] = [s * 1e3 for s in totals]
-    result["peak_rss_bytes_timed"] = peak.window()
-    return result
+        next_ids = batches[i + 1] if i + 1 < len(batches) else None
+        for n in names[i % len(names):] + names[:i % len(names)]:
+            phases = train_step(*contenders[n], ids, grad_out, next_ids)
+            for name, seconds in zip(PHASES, phases):
+                per_phase[n][name].append(seconds)
+            totals[n].append(sum(phases))
+    window = peak.window()
+    results = {}
+    for n in names:
+        result = summarize_ms(totals[n])
+        result["steps_per_s"] = 1e3 / result["median_ms"]
+        result["phases_median_ms"] = {name: summarize_ms(s)["median_ms"] for name, s in per_phase[n].items()}
+        result["step_ms"] = [s * 1e3 for s in totals[n]]
+        result["peak_rss_bytes_timed"] = window
+        results[n] = result
+    return results
 
 
 # --- correctness -------------------------------------------------------------------
@@ -228,15 +248,33 @@ def run_contender(name, make, args, warm, timed, grad_out, peak):
     return result
 
 
+def run_hostembed_rounds(args, warm, timed, grad_out, peak):
+    """The hostembed contenders, built together and timed in rounds."""
+    makes = ((HOSTEMBED, make_hostembed), (HOSTEMBED_FUSED, make_hostembed_fused),
+             (HOSTEMBED_PREFETCH, make_hostembed_prefetch))
+    built, extra = {}, {}
+    other_load = OtherLoad()
+    for name, make in makes:
+        log(f"{name}: building, {len(warm)} warm-up steps")
+        emb, opt, build_s = build(make, args)
+        first_s = warm_up(emb, opt, warm, grad_out, f"{name} warm-up")
+        built[name] = (emb, opt)
+        extra[name] = {"build_s": build_s, "first_step_ms": first_s * 1e3}
+    log(f"hostembed contenders: {len(timed)} timed rounds")
+    results = timed_rounds(built, timed, grad_out, "hostembed rounds", peak)
+    others = other_load.fraction()
+    for name in results:
+        results[name].update(extra[name], cpu_fraction_used_by_others=others, timed_in_rounds=True)
+    del built, emb, opt
+    gc.collect()
+    return results
+
+
 def run_contenders(args, batches, grad_out, peak):
     # All contenders time the same ids; dense Adam only the first few of them
     # and after one warm-up step, as each of its steps costs seconds.
     warm, timed = batches[:args.warmup], batches[args.warmup:]
-    results = {HOSTEMBED: run_contender(HOSTEMBED, make_hostembed, args, warm, timed[:args.steps], grad_out, peak),
-               HOSTEMBED_FUSED: run_contender(HOSTEMBED_FUSED, make_hostembed_fused, args, warm, timed[:args.steps],
-                                              grad_out, peak),
-               HOSTEMBED_PREFETCH: run_contender(HOSTEMBED_PREFETCH, make_hostembed_prefetch, args, warm,
-                                                 timed[:args.steps], grad_out, peak)}
+    results = run_hostembed_rounds(args, warm, timed[:args.steps], grad_out, peak)
     if args.skip_torch_sparse:
         results[TORCH_SPARSE] = {"skipped": "--skip-torch-sparse"}
     else:
@@ -316,8 +354,12 @@ def print_report(args, report):
         print(f"correctness: {ours} matches torch SparseAdam after {chk['steps']} steps from the same table "
               f"(max abs diff {chk['max_abs_diff']:.3g}, bitwise equal: {chk['bitwise_equal']})")
     rss = report["peak_rss_bytes"]
-    per = ", ".join(f"{name.split(' + ')[1]} {r['peak_rss_bytes_timed'] / GIB:.2f} GiB"
-                    for name, r in contenders.items() if r.get("peak_rss_bytes_timed"))
+    rounds = [r for r in contenders.values() if r.get("timed_in_rounds") and r.get("peak_rss_bytes_timed")]
+    parts = [f"the {len(rounds)} hostembed contenders together {rounds[0]['peak_rss_bytes_timed'] / GIB:.2f} GiB"
+             ] if rounds else []
+    parts += [f"{name.split(' + ')[1]} {r['peak_rss_bytes_timed'] / GIB:.2f} GiB" for name, r in contenders.items()
+              if r.get("peak_rss_bytes_timed") and not r.get("timed_in_rounds")]
+    per = ", ".join(parts)
     print(f"peak RSS: process {rss / GIB:.2f} GiB" + (f"; during timed steps: {per}" if per else ""))
     others = report["other_load"]["cpu_fraction_used_by_others"]
     if others is not None:

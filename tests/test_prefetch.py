@@ -173,3 +173,13 @@ def test_a_few_changed_rows_are_re_read():
         outs.append(emb(second))
     assert outcome(ahead) == "taken, 10 of 60 positions re-read"
     assert torch.equal(*outs)
+
+
+def test_ids_tensor_refilled_after_prefetch():
+    emb, _ = twins()
+    ids = torch.tensor([1, 2, 3])
+    emb.prefetch(ids)
+    wait_for_gather(emb)
+    ids.copy_(torch.tensor([7, 8, 9]))  # the caller reuses its buffer
+    assert torch.equal(emb(ids), emb.weight.detach()[[7, 8, 9]])
+    assert outcome(emb) == "dropped: other ids"

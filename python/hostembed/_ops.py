@@ -159,15 +159,20 @@ def _lookup_rows(weight, ids, max_norm, norm_type):
     return out, dedup, table
 
 
-def gather_rows(weight, ids):
-    """weight[ids] as a plain tensor (no autograd, no max_norm): the
-    gather of Embedding.prefetch."""
+def gather_later(weight, ids):
+    """(out, gather): gather() fills out with weight[ids] (no autograd, no
+    max_norm). Embedding.prefetch runs gather on another thread; all the
+    Python work is done here, so that thread holds the GIL only to enter
+    the core."""
     table = host_table_of(weight, "a prefetch")
     out = scratch(*ids.shape, table.dim)
-    with table.lock:
-        table.wait_for_gpu_use()
-        _C.gather(table=table.buffer, num_rows=table.num_rows, dim=table.dim, **_cpu_ids(ids), out=_address(out))
-    return out
+    args = dict(table=table.buffer, num_rows=table.num_rows, dim=table.dim, **_cpu_ids(ids), out=_address(out))
+
+    def gather():
+        with table.lock:
+            table.wait_for_gpu_use()
+            _C.gather(**args)
+    return out, gather
 
 
 @lookup.op.register_fake

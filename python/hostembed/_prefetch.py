@@ -34,20 +34,23 @@ MAX_REREAD = 0.25
 
 
 class Prefetch:
-    def __init__(self, table, weight, ids, gather):
+    def __init__(self, table, weight, ids, out, gather):
+        """gather() fills out with the rows of ids (_ops.gather_later)."""
         self.table, self.ids = table, ids
         self.version = weight._version
         # Rows changed since: int64 CPU id tensors, or None for "any row".
         self.changed = []
         self.out = None
-        self._thread = threading.Thread(target=self._run, args=(gather,), name="hostembed-prefetch", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(out, gather), name="hostembed-prefetch",
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, gather):
+    def _run(self, out, gather):
         try:
-            self.out = gather(self.ids)
+            gather()
+            self.out = out
         except Exception:  # raised again by the lookup's own gather
-            self.out = None
+            pass
 
     def take(self, weight, ids):
         """The prefetched rows for `ids`, brought up to date, or None when

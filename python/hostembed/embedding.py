@@ -120,6 +120,8 @@ class Embedding(nn.Embedding):
         optimizer update (or anything else) changed meanwhile, so the output
         is bit for bit what it would be without prefetch; any other call
         drops them. An id out of range raises at that call, as always.
+        Writes through ``weight.data`` in between are not seen (torch does
+        not track them); write through the weight itself, under no_grad.
 
         CPU outputs only for now (NotImplementedError for GPU outputs). With
         max_norm, rows are renormed at lookup time, so there is nothing to
@@ -130,12 +132,12 @@ class Embedding(nn.Embedding):
             raise NotImplementedError(
                 f"hostembed.Embedding.prefetch: implemented for CPU outputs; this module's outputs are on "
                 f"{self._output_device}")
-        ids = prepare_ids(ids)
+        # A copy: the caller may refill its ids tensor before the lookup.
+        ids = prepare_ids(ids).clone()
         table = self._table
         table.prefetch = None
         if self.max_norm is None:
-            weight = self.weight
-            table.prefetch = Prefetch(table, weight, ids, lambda i: _ops.gather_rows(weight, i))
+            table.prefetch = Prefetch(table, self.weight, ids, *_ops.gather_later(self.weight, ids))
 
     def _prepare_weight(self) -> None:
         """Checks that the weight still is the table's memory, and pins the
