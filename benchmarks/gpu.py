@@ -6,7 +6,8 @@
   (c) training step, table in host memory: D=128 fp32, --batch lookups
       Zipf(--alpha) over a permutation of --rows rows (default 60M: table +
       Adam state ~92 GB, more than an 80 GB GPU holds), SparseAdam with the
-      update on the GPU and on the CPU; % of the PCIe bound of each mode
+      update on the GPU, on the CPU, and fused into backward (on the GPU); %
+      of the PCIe bound of each mode
   (d) side by side on a table that fits the GPU (--fit-rows): hostembed
       (table in host memory) vs torch nn.Embedding(sparse=True) +
       torch.optim.SparseAdam entirely on the GPU, same batches
@@ -188,9 +189,10 @@ def time_steps(emb, opt, batches, grad_out, args, desc):
 def pcie_bound_ms(mode, unique_mean, dim, ceil):
     """The step's PCIe transfers at the measured ceilings, directions in
     parallel (full duplex): the gather reads u rows, backward copies u grad
-    rows back; the GPU update reads and writes w, m, v (3 rows each way)."""
+    rows back; the GPU update reads and writes w, m, v (3 rows each way).
+    Fused, the gradient stays on the GPU: no grad rows back."""
     row = unique_mean * dim * 4
-    h2d, d2h = (row, row) if mode == "cpu" else (4 * row, 4 * row)
+    h2d, d2h = {"cpu": (row, row), "gpu": (4 * row, 4 * row), "fused": (4 * row, 3 * row)}[mode]
     return max(h2d / ceil["h2d"]["bytes_per_s"], d2h / ceil["d2h"]["bytes_per_s"]) * 1e3
 
 
@@ -225,12 +227,20 @@ def train_large(args, ceil):
     result = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "alpha": args.alpha,
               "table_and_state_bytes": need, "table_setup_s": setup_s,
               "unique_mean": statistics.mean(unique), "unique": unique, "modes": {}}
-    for mode in ("gpu", "cpu"):
-        # One optimizer, its state kept: a second would pin another 2 x table.
-        opt.update = mode
+    for mode in ("gpu", "cpu", "fused"):
+        # One set of moments throughout: a second would pin another 2 x table.
+        if mode == "fused":
+            fused = hostembed.SparseAdam(emb.parameters(), lr=args.lr, update="gpu", fused=True)
+            fused.state = opt.state
+            opt = fused
+        else:
+            opt.update = mode
         r = time_steps(emb, opt, batches, grad_out, args, f"train {args.rows:,} rows, update={mode}")
-        if opt._last_update != mode:
+        expected = "gpu" if mode == "fused" else mode
+        if opt._last_update != expected:
             fail(f"update={mode} ran its step on the {opt._last_update}")
+        if mode == "fused" and emb.weight.grad is not None:
+            fail("SparseAdam(fused=True) left a weight.grad: the update did not run in backward")
         bound = pcie_bound_ms(mode, result["unique_mean"], args.dim, ceil) if ceil else None
         r["pcie_bound_ms"] = bound
         r["of_pcie_bound"] = bound / r["median_ms"] if bound else None
@@ -270,7 +280,12 @@ def side_by_side(args):
     result = {"rows": args.fit_rows, "dim": args.dim, "batch": args.batch, "unique_mean": statistics.mean(unique),
               "check": {"steps": check_steps, "max_abs_diff": max_diff, "elements_off_by_1e-6": far}}
     result["hostembed"] = time_steps(ours, opt, batches, grad_out, args, "fit: hostembed")
-    del ours, opt
+    fused = hostembed.SparseAdam(ours.parameters(), lr=args.lr, update="gpu", fused=True)
+    fused.state = opt.state  # the same moments, continuing
+    result["hostembed_fused"] = time_steps(ours, fused, batches, grad_out, args, "fit: hostembed fused")
+    if ours.weight.grad is not None:
+        fail("SparseAdam(fused=True) left a weight.grad: the update did not run in backward")
+    del ours, opt, fused
     gc.collect()
     result["torch"] = time_steps(ref, ref_opt, batches, grad_out, args, "fit: torch on the GPU")
     del ref, ref_opt
@@ -315,6 +330,7 @@ def print_report(args, report):
         print("| contender | ms/step median | min | max |")
         print("|---|---:|---:|---:|")
         for name, key in (("hostembed (table in host memory)", "hostembed"),
+                          ("hostembed, SparseAdam(fused=True)", "hostembed_fused"),
                           ("torch nn.Embedding(sparse=True) + SparseAdam on the GPU", "torch")):
             r = fit[key]
             print(f"| {name} | {fmt_ms(r['median_ms'])} | {fmt_ms(r['min_ms'])} | {fmt_ms(r['max_ms'])} |")
