@@ -159,14 +159,18 @@ static PyObject *heb_renorm(PyObject *mod, PyObject *args, PyObject *kwds)
     Py_RETURN_NONE;
 }
 
-/* The weight and its two moments, each checked against its own buffer. */
+/* The weight and its two moments, each checked against its own buffer,
+ * and the step's integer hyperparameters; -1 with an exception set. */
 static int heb_adam_tables(const heb_buffer *weight, const heb_buffer *exp_avg, const heb_buffer *exp_avg_sq,
-                           long long num_rows, long long dim, he_table *w, he_table *m, he_table *v)
+                           long long num_rows, long long dim, long long step, int maximize, he_table *w, he_table *m,
+                           he_table *v, he_adam_params *hp)
 {
-    return heb_buffer_table(weight, num_rows, dim, w) < 0 || heb_buffer_table(exp_avg, num_rows, dim, m) < 0 ||
-                   heb_buffer_table(exp_avg_sq, num_rows, dim, v) < 0
-               ? -1
-               : 0;
+    if (heb_buffer_table(weight, num_rows, dim, w) < 0 || heb_buffer_table(exp_avg, num_rows, dim, m) < 0 ||
+        heb_buffer_table(exp_avg_sq, num_rows, dim, v) < 0)
+        return -1;
+    hp->step = step;
+    hp->maximize = maximize;
+    return 0;
 }
 
 static PyObject *heb_sparse_adam(PyObject *mod, PyObject *args, PyObject *kwds)
@@ -188,10 +192,8 @@ static PyObject *heb_sparse_adam(PyObject *mod, PyObject *args, PyObject *kwds)
                                      &values, &nnz, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &step, &maximize))
         return NULL;
     he_table w, m, v;
-    if (heb_adam_tables(&weight, &exp_avg, &exp_avg_sq, num_rows, dim, &w, &m, &v) < 0)
+    if (heb_adam_tables(&weight, &exp_avg, &exp_avg_sq, num_rows, dim, step, maximize, &w, &m, &v, &hp) < 0)
         return NULL;
-    hp.step = step;
-    hp.maximize = maximize;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
     st = he_sparse_adam(&w, &m, &v, (const int64_t *)indices.ptr, (const float *)values.ptr, nnz, &hp);
@@ -223,10 +225,8 @@ static PyObject *heb_sparse_adam_fused(PyObject *mod, PyObject *args, PyObject *
                                      &hp.beta2, &hp.eps, &step, &maximize))
         return NULL;
     he_table w, m, v;
-    if (heb_adam_tables(&weight, &exp_avg, &exp_avg_sq, num_rows, dim, &w, &m, &v) < 0)
+    if (heb_adam_tables(&weight, &exp_avg, &exp_avg_sq, num_rows, dim, step, maximize, &w, &m, &v, &hp) < 0)
         return NULL;
-    hp.step = step;
-    hp.maximize = maximize;
     he_reduce_opts opts = {padding_idx, scale};
     he_status st;
     Py_BEGIN_ALLOW_THREADS
