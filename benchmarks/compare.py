@@ -14,15 +14,18 @@ in every case. The contenders differ only in the tables:
   3. torch nn.Embedding(sparse=True) on the GPU + torch.optim.SparseAdam,
      where there is a GPU and the tables and their state fit in its memory
   4. hostembed.Embedding + hostembed.SparseAdam
+  5. the same with SparseAdam(fused=True): the tables' update runs in
+     backward, with no weight.grad
 
 Every contender starts from the same weights and trains on the same
-batches. Contenders 2-4 must follow the same loss curve to float rounding,
+batches. Contenders 2-5 must follow the same loss curve to float rounding,
 or the script fails without reporting timings.
 
 Usage (after `pip install .`, or an in-place build with PYTHONPATH=python):
     python benchmarks/compare.py [--size default|large|tiny] [--users N --dim D ...]
 """
 import argparse
+import functools
 import gc
 import hashlib
 import math
@@ -68,7 +71,7 @@ DENSE_ADAM_BYTES = 24   # + the dense gradient and the two table-sized temporari
 HOST_HEADROOM = GIB     # the rest of the process: batches, MLP, scratch buffers
 GPU_HEADROOM = GIB      # activations, the sparse gradient, allocator slack
 
-# Contenders 2-4 compute the same function of the same inputs; they differ
+# Contenders 2-5 compute the same function of the same inputs; they differ
 # only by float32 rounding: the order in which duplicate ids' gradient rows
 # are summed, and torch's vectorised CPU sqrt, 1 ulp off for ~20% of inputs
 # (hostembed's is correctly rounded). The MLP uses SiLU, not ReLU, so that
@@ -265,8 +268,10 @@ TORCH_GPU = Contender(3, "torch_sparse_gpu", "torch nn.Embedding(sparse=True) (G
                       _torch_gpu_table, torch.optim.SparseAdam, on_gpu=True)
 HOSTEMBED = Contender(4, "hostembed", "hostembed.Embedding + hostembed.SparseAdam",
                       _hostembed_table, hostembed.SparseAdam)
-CONTENDERS = (TORCH_ADAM, TORCH_SPARSE, TORCH_GPU, HOSTEMBED)
-AGREEING = (TORCH_SPARSE, TORCH_GPU, HOSTEMBED)  # must follow the same loss curve
+HOSTEMBED_FUSED = Contender(5, "hostembed_fused", "hostembed.Embedding + hostembed.SparseAdam(fused=True)",
+                            _hostembed_table, functools.partial(hostembed.SparseAdam, fused=True))
+CONTENDERS = (TORCH_ADAM, TORCH_SPARSE, TORCH_GPU, HOSTEMBED, HOSTEMBED_FUSED)
+AGREEING = (TORCH_SPARSE, TORCH_GPU, HOSTEMBED, HOSTEMBED_FUSED)  # must follow the same loss curve
 
 
 def build(contender, cfg, out_device):
@@ -443,11 +448,11 @@ def check_same_start(contender, initial, reference):
 
 
 def check_agreement(results, finals):
-    """Fails loudly unless contenders 2-4 that ran follow the same loss curve
+    """Fails loudly unless contenders 2-5 that ran follow the same loss curve
     and end with the same trained weights (to the tolerances above)."""
     ran = [c for c in AGREEING if "losses" in results[c.key]]
     if len(ran) < 2:
-        return {"checked": False, "reason": "fewer than two of contenders 2-4 ran"}
+        return {"checked": False, "reason": "fewer than two of contenders 2-5 ran"}
     ref = ran[0]
     ref_losses = np.array(results[ref.key]["losses"])
     summary = {"checked": True, "reference": ref.key, "loss_rtol": LOSS_RTOL,
@@ -557,7 +562,7 @@ def plot_ms_per_step(cfg, results, floor_ms):
 def plot_losses(cfg, results, agreement):
     ran = [c for c in CONTENDERS if "losses" in results[c.key]]
     styles = {1: ("tab:red", "-", "o"), 2: ("tab:orange", "-", None), 3: ("tab:green", "--", None),
-              4: ("tab:blue", ":", None)}
+              4: ("tab:blue", ":", None), 5: ("tab:purple", "-.", None)}
 
     def draw(plt):
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(2, 1))
