@@ -1,5 +1,5 @@
 /* The CPU ops: keyword-only bindings of the core's dedup, gather,
- * grad_reduce, renorm and sparse_adam. A table (and its optimizer state)
+ * grad_reduce, renorm and the sparse optimizers' update. A table (and its optimizer state)
  * comes as its HostBuffer object, and its shape is checked against the
  * buffer's size before any work; ids, gradients and outputs (allocated by
  * the Python layer for the call) come as addresses. */
@@ -9,7 +9,8 @@
 #include "gather.h"
 #include "grad_reduce.h"
 #include "renorm.h"
-#include "sparse_adam.h"
+#include "optimizers.h"
+#include "sparse_update.h"
 
 static he_ids heb_make_ids(const void *data, long long count, int is_int64)
 {
@@ -159,78 +160,97 @@ static PyObject *heb_renorm(PyObject *mod, PyObject *args, PyObject *kwds)
     Py_RETURN_NONE;
 }
 
-/* The weight and its two moments, each checked against its own buffer,
- * and the step's integer hyperparameters; -1 with an exception set. */
-static int heb_adam_tables(const heb_buffer *weight, const heb_buffer *exp_avg, const heb_buffer *exp_avg_sq,
-                           long long num_rows, long long dim, long long step, int maximize, he_table *w, he_table *m,
-                           he_table *v, he_adam_params *hp)
+/* An optimizer's tables: the weight and each state buffer of the tuple
+ * (as many as the optimizer keeps, per element or per row), each checked
+ * against its own buffer; the rule of hp->kind. -1 with an exception set. */
+static int heb_optim_tables(const heb_buffer *weight, PyObject *state, long long num_rows, long long dim,
+                            const he_optim_params *hp, he_table *w, he_table *s, int *num_state)
 {
-    if (heb_buffer_table(weight, num_rows, dim, w) < 0 || heb_buffer_table(exp_avg, num_rows, dim, m) < 0 ||
-        heb_buffer_table(exp_avg_sq, num_rows, dim, v) < 0)
+    const he_optim_rule *rule = he_optim_rule_of(hp->kind);
+    if (!rule) {
+        PyErr_Format(PyExc_ValueError, "unknown optimizer kind %d", hp->kind);
         return -1;
-    hp->step = step;
-    hp->maximize = maximize;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(state);
+    if (n != rule->num_state) {
+        PyErr_Format(PyExc_ValueError, "%s keeps %d state buffers, got a tuple of %zd", rule->name,
+                     rule->num_state, n);
+        return -1;
+    }
+    if (heb_buffer_table(weight, num_rows, dim, w) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        heb_buffer b = {rule->state_names[i], NULL, 0, NULL, -1};
+        if (!heb_buffer_converter(PyTuple_GET_ITEM(state, i), &b) ||
+            heb_buffer_table(&b, num_rows, rule->per_row[i] ? 1 : dim, &s[i]) < 0)
+            return -1;
+    }
+    *num_state = (int)n;
     return 0;
 }
 
-static PyObject *heb_sparse_adam(PyObject *mod, PyObject *args, PyObject *kwds)
+static PyObject *heb_sparse_update(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
-    static char *kwlist[] = {"weight", "exp_avg", "exp_avg_sq", "num_rows", "dim", "indices", "values", "nnz",
-                             "lr", "beta1", "beta2", "eps", "step", "maximize", NULL};
+    static char *kwlist[] = {"kind", "weight", "state", "num_rows", "dim", "indices", "values", "nnz", "lr",
+                             "beta1", "beta2", "eps", "lr_decay", "step", "maximize", NULL};
     HEB_BUFFER(weight);
-    HEB_BUFFER(exp_avg);
-    HEB_BUFFER(exp_avg_sq);
+    PyObject *state;
     HEB_ADDRESS(indices);
     HEB_ADDRESS(values);
     long long num_rows, dim, nnz, step;
-    he_adam_params hp;
+    he_optim_params hp = {0};
     int maximize;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&O&O&LLO&O&LddddLp:sparse_adam", kwlist, heb_buffer_converter,
-                                     &weight, heb_buffer_converter, &exp_avg, heb_buffer_converter, &exp_avg_sq,
-                                     &num_rows, &dim, heb_address_converter, &indices, heb_address_converter,
-                                     &values, &nnz, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &step, &maximize))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$iO&O!LLO&O&LdddddLp:sparse_update", kwlist, &hp.kind,
+                                     heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows, &dim,
+                                     heb_address_converter, &indices, heb_address_converter, &values, &nnz, &hp.lr,
+                                     &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize))
         return NULL;
-    he_table w, m, v;
-    if (heb_adam_tables(&weight, &exp_avg, &exp_avg_sq, num_rows, dim, step, maximize, &w, &m, &v, &hp) < 0)
+    hp.step = step;
+    hp.maximize = maximize;
+    he_table w, s[HE_OPTIM_MAX_STATE];
+    int num_state;
+    if (heb_optim_tables(&weight, state, num_rows, dim, &hp, &w, s, &num_state) < 0)
         return NULL;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_sparse_adam(&w, &m, &v, (const int64_t *)indices.ptr, (const float *)values.ptr, nnz, &hp);
+    st = he_sparse_update(&hp, &w, s, num_state, (const int64_t *)indices.ptr, (const float *)values.ptr, nnz);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
     Py_RETURN_NONE;
 }
 
-/* The fused backward: grad_reduce of the batch's Dedup straight into
- * sparse_adam's row update. */
-static PyObject *heb_sparse_adam_fused(PyObject *mod, PyObject *args, PyObject *kwds)
+/* The fused backward: grad_reduce of the batch's Dedup straight into the
+ * optimizer's row update. */
+static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
-    static char *kwlist[] = {"dedup", "grad", "padding_idx", "scale_grad_by_freq", "weight", "exp_avg", "exp_avg_sq",
-                             "num_rows", "dim", "lr", "beta1", "beta2", "eps", "step", "maximize", NULL};
+    static char *kwlist[] = {"dedup", "grad", "padding_idx", "scale_grad_by_freq", "kind", "weight", "state",
+                             "num_rows", "dim", "lr", "beta1", "beta2", "eps", "lr_decay", "step", "maximize",
+                             NULL};
     heb_dedup *dedup;
     HEB_ADDRESS(grad);
     HEB_BUFFER(weight);
-    HEB_BUFFER(exp_avg);
-    HEB_BUFFER(exp_avg_sq);
+    PyObject *state;
     long long padding_idx, num_rows, dim, step;
     int scale, maximize;
-    he_adam_params hp;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LpO&O&O&LLddddLp:sparse_adam_fused", kwlist, &heb_dedup_type,
-                                     &dedup, heb_address_converter, &grad, &padding_idx, &scale,
-                                     heb_buffer_converter, &weight, heb_buffer_converter, &exp_avg,
-                                     heb_buffer_converter, &exp_avg_sq, &num_rows, &dim, &hp.lr, &hp.beta1,
-                                     &hp.beta2, &hp.eps, &step, &maximize))
+    he_optim_params hp = {0};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LpiO&O!LLdddddLp:sparse_update_fused", kwlist,
+                                     &heb_dedup_type, &dedup, heb_address_converter, &grad, &padding_idx, &scale,
+                                     &hp.kind, heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows,
+                                     &dim, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize))
         return NULL;
-    he_table w, m, v;
-    if (heb_adam_tables(&weight, &exp_avg, &exp_avg_sq, num_rows, dim, step, maximize, &w, &m, &v, &hp) < 0)
+    hp.step = step;
+    hp.maximize = maximize;
+    he_table w, s[HE_OPTIM_MAX_STATE];
+    int num_state;
+    if (heb_optim_tables(&weight, state, num_rows, dim, &hp, &w, s, &num_state) < 0)
         return NULL;
     he_reduce_opts opts = {padding_idx, scale};
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_sparse_adam_fused(dedup->d, (const float *)grad.ptr, &opts, &w, &m, &v, &hp);
+    st = he_sparse_update_fused(dedup->d, (const float *)grad.ptr, &opts, &hp, &w, s, num_state);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -249,16 +269,18 @@ static PyMethodDef heb_cpu_methods[] = {
     {"renorm", HEB_KW_FUNC(heb_renorm), METH_VARARGS | METH_KEYWORDS,
      "renorm($module, /, *, table, num_rows, dim, dedup, max_norm, norm_type)\n--\n\n"
      "max_norm in place on the unique rows of dedup (a Dedup built for num_rows) of the table's HostBuffer"},
-    {"sparse_adam_fused", HEB_KW_FUNC(heb_sparse_adam_fused), METH_VARARGS | METH_KEYWORDS,
-     "sparse_adam_fused($module, /, *, dedup, grad, padding_idx, scale_grad_by_freq, weight, exp_avg, exp_avg_sq, "
-     "num_rows, dim, lr, beta1, beta2, eps, step, maximize)\n--\n\n"
-     "grad_reduce of grad ([dedup.count, dim] rows) fed straight into sparse_adam's row update: the same bits "
-     "as the two calls, without writing the sums out"},
-    {"sparse_adam", HEB_KW_FUNC(heb_sparse_adam), METH_VARARGS | METH_KEYWORDS,
-     "sparse_adam($module, /, *, weight, exp_avg, exp_avg_sq, num_rows, dim, indices, values, nnz, lr, beta1, "
-     "beta2, eps, step, maximize)\n--\n\n"
-     "torch.optim.SparseAdam's update of rows indices[:nnz] with grad rows values[:nnz], in place; weight, "
-     "exp_avg, exp_avg_sq: HostBuffers of [num_rows, dim] rows each (ValueError if they do not fit)"},
+    {"sparse_update_fused", HEB_KW_FUNC(heb_sparse_update_fused), METH_VARARGS | METH_KEYWORDS,
+     "sparse_update_fused($module, /, *, dedup, grad, padding_idx, scale_grad_by_freq, kind, weight, state, "
+     "num_rows, dim, lr, beta1, beta2, eps, lr_decay, step, maximize)\n--\n\n"
+     "grad_reduce of grad ([dedup.count, dim] rows) fed straight into the optimizer's row update: the same "
+     "bits as the two calls, without writing the sums out"},
+    {"sparse_update", HEB_KW_FUNC(heb_sparse_update), METH_VARARGS | METH_KEYWORDS,
+     "sparse_update($module, /, *, kind, weight, state, num_rows, dim, indices, values, nnz, lr, beta1, beta2, "
+     "eps, lr_decay, step, maximize)\n--\n\n"
+     "The update of optimizer `kind` (0 SparseAdam, 1 SGD, 2 Adagrad, 3 row-wise Adagrad) of rows "
+     "indices[:nnz] with grad rows values[:nnz], in place; weight: the HostBuffer of [num_rows, dim] rows, "
+     "state: a tuple of the optimizer's state HostBuffers ([num_rows, dim] or [num_rows, 1] each; ValueError "
+     "if they do not fit)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,7 +3,7 @@
  *   module.c      PyInit__C, the module's own functions (threads, scratch
  *                 cache, CUDA_COMPILED) and the helpers of binding.h;
  *   host_buffer.c the HostBuffer type (big host allocations, pinning);
- *   cpu_ops.c     Dedup, gather, grad_reduce, renorm, sparse_adam;
+ *   cpu_ops.c     Dedup, gather, grad_reduce, renorm, sparse_update;
  *   cuda_ops.c    the cuda_* launchers (built with HE_WITH_CUDA only).
  *
  * Every op takes its arguments by keyword only, releases the GIL around the

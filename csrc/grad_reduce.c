@@ -43,13 +43,11 @@ static void sum_rows(float *restrict acc, const float *restrict grad, const uint
     }
 }
 
-/* The update path sums a block of columns at a time into a buffer on the
- * stack and hands it on while it is in L1: every element's sum is the same
- * operations in the same order as a whole-row sum, so the update sees the
- * bits grad_reduce would have written, without the [num_unique, dim]
- * round trip through memory. */
-#define HE_REDUCE_BLOCK 256
-
+/* The update path sums a block of columns at a time (HE_REDUCE_BLOCK) into
+ * a buffer on the stack and hands it on while it is in L1: every element's
+ * sum is the same operations in the same order as a whole-row sum, so the
+ * update sees the bits grad_reduce would have written, without the
+ * [num_unique, dim] round trip through memory. */
 static void reduce_range(void *ctx, int64_t begin, int64_t end)
 {
     reduce_job *job = ctx;

@@ -20,6 +20,9 @@ typedef struct he_reduce_opts {
 he_status he_grad_reduce(const he_dedup *d, const float *grad, int64_t dim, const he_reduce_opts *opts,
                          float *out_values, int64_t *out_indices, int64_t *out_count);
 
+/* The most columns he_grad_reduce_apply hands to apply() at once. */
+#define HE_REDUCE_BLOCK 256
+
 /* What a fused backward does with each unique id's sum instead of writing
  * it out: an optimizer's row update. apply() gets columns [col, col + n) of
  * row `row`'s sum (bitwise what he_grad_reduce writes there), in ascending

@@ -12,8 +12,13 @@
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__) && \
     !defined(HE_NO_CLONES)
 #define HE_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+/* For loops that call fmaf (torch's CPU kernels fuse a dense += sparse *
+ * alpha into one FMA, and matching its bits needs the same): only levels
+ * with the FMA instructions, else fmaf is a libm call per element. */
+#define HE_SIMD_CLONES_FMA __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define HE_SIMD_CLONES
+#define HE_SIMD_CLONES_FMA
 #endif
 
 #include <stddef.h>

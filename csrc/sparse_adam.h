@@ -1,4 +1,6 @@
-/* torch.optim.SparseAdam's update, in place on host-memory rows. */
+/* torch.optim.SparseAdam's update, in place on host-memory rows (the
+ * optimizer HE_OPTIM_ADAM of sparse_update.h, kept under its own name for
+ * the callers that know only Adam). */
 #ifndef HE_SPARSE_ADAM_H
 #define HE_SPARSE_ADAM_H
 

@@ -11,10 +11,11 @@ from .checkpoint import load, save
 from .clip import clip_grad_norm_
 from .embedding import Embedding
 from .optim import SparseAdam
+from .optimizers import SGD, Adagrad, RowWiseAdagrad
 from .replace import replace_embeddings
 
 __version__ = "0.1.0"
-__all__ = ["Embedding", "SparseAdam", "IdDtypeError", "save", "load", "replace_embeddings", "set_num_threads",
+__all__ = ["Embedding", "SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad", "IdDtypeError", "save", "load", "replace_embeddings", "set_num_threads",
            "get_num_threads", "empty_cache", "cuda_available", "cuda_compiled", "clip_grad_norm_"]
 
 

@@ -274,46 +274,55 @@ def fused_embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_
 
 # ---- the optimizer update on the CPU
 
-@_custom_op("hostembed::sparse_adam_", mutates_args=("weight", "exp_avg", "exp_avg_sq"))
-def sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indices: Tensor, values: Tensor, lr: float,
-                 beta1: float, beta2: float, eps: float, step: int, maximize: bool) -> None:
-    """torch.optim.SparseAdam's update of rows `indices` with gradient rows
+# Optimizer kinds of the core (include/he_optim.h).
+ADAM, SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2, 3
+_OPTIMIZER_NAMES = {ADAM: "SparseAdam", SGD: "SGD", ADAGRAD: "Adagrad", ROWWISE_ADAGRAD: "RowWiseAdagrad"}
+
+
+def sparse_update(kind: int, weight: Tensor, state, indices: Tensor, values: Tensor, *, lr: float, step: int,
+                  maximize: bool, beta1: float = 0.0, beta2: float = 0.0, eps: float = 0.0,
+                  lr_decay: float = 0.0) -> None:
+    """Optimizer `kind`'s update of rows `indices` with gradient rows
     `values`, in place, by the core's threads. Repeated indices are summed
     first; an index outside the table raises before anything is written.
-    exp_avg and exp_avg_sq must be buffers of the weight's table
-    (HostTable.zeros)."""
-    table = host_table_of(weight, "SparseAdam")
-    state = _state_buffers(table, exp_avg, exp_avg_sq)
-    indices, values = _row_gradient(table, indices, values, "cpu")
+    state: the optimizer's state tensors by name, in the core's order, each
+    a buffer of the weight's table (HostTable.zeros)."""
+    name = _OPTIMIZER_NAMES[kind]
+    table = host_table_of(weight, name)
+    buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
+    indices, values = _row_gradient(table, indices, values, "cpu", name)
     with table.lock:
         table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
-        _C.sparse_adam(weight=table.buffer, **state, num_rows=table.num_rows, dim=table.dim,
-                       indices=_address(indices), values=_address(values), nnz=indices.numel(), lr=lr, beta1=beta1,
-                       beta2=beta2, eps=eps, step=step, maximize=maximize)
+        _C.sparse_update(kind=kind, weight=table.buffer, state=buffers, num_rows=table.num_rows, dim=table.dim,
+                         indices=_address(indices), values=_address(values), nnz=indices.numel(), lr=lr,
+                         beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize)
         table.rows_changed(indices)
 
 
-def _state_buffers(table, exp_avg, exp_avg_sq):
-    """The HostBuffers of the optimizer state, checked to be the table's."""
-    _check_state(table, exp_avg, exp_avg_sq)
-    return {"exp_avg": table.buffer_of(exp_avg, "SparseAdam's exp_avg"),
-            "exp_avg_sq": table.buffer_of(exp_avg_sq, "SparseAdam's exp_avg_sq")}
+@_custom_op("hostembed::sparse_adam_", mutates_args=("weight", "exp_avg", "exp_avg_sq"))
+def sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indices: Tensor, values: Tensor, lr: float,
+                 beta1: float, beta2: float, eps: float, step: int, maximize: bool) -> None:
+    """torch.optim.SparseAdam's update (sparse_update of ADAM), an op that
+    torch.compile can trace."""
+    _check_state(host_table_of(weight, "SparseAdam"), exp_avg, exp_avg_sq)
+    sparse_update(ADAM, weight, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, indices, values, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                  step=step, maximize=maximize)
 
 
-def _row_gradient(table, indices, values, device):
+def _row_gradient(table, indices, values, device, name="SparseAdam"):
     """A row-sparse gradient's (indices, values) as the core reads them:
     int64 [nnz] and float32 [nnz, dim], contiguous, on `device`. Refuses any
     other shape (a values tensor with the right number of elements but
     another shape would otherwise be read as rows) before the core runs."""
     if indices.dim() != 1 or indices.dtype not in (torch.int64, torch.int32):
         raise RuntimeError(
-            f"hostembed: SparseAdam needs the gradient's row indices as a 1-D int64 (or int32) tensor, got a "
+            f"hostembed: {name} needs the gradient's row indices as a 1-D int64 (or int32) tensor, got a "
             f"{list(indices.shape)} {indices.dtype} tensor"
         )
     nnz = indices.numel()
     if values.dim() != 2 or tuple(values.shape) != (nnz, table.dim) or not values.is_floating_point():
         raise RuntimeError(
-            f"hostembed: SparseAdam needs the gradient's values as a floating-point [{nnz}, {table.dim}] tensor "
+            f"hostembed: {name} needs the gradient's values as a floating-point [{nnz}, {table.dim}] tensor "
             f"(one row per index of a [{table.num_rows}, {table.dim}] table), got a {list(values.shape)} "
             f"{values.dtype} tensor"
         )
@@ -339,7 +348,8 @@ def fused_adam_update(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, gradi
     _fused.CpuGradient. The same bits as grad_reduce then sparse_adam_.
     Eager only."""
     table = host_table_of(weight, "SparseAdam")
-    state = _state_buffers(table, exp_avg, exp_avg_sq)
+    _check_state(table, exp_avg, exp_avg_sq)
+    buffers = (table.buffer_of(exp_avg, "SparseAdam's exp_avg"), table.buffer_of(exp_avg_sq, "SparseAdam's exp_avg_sq"))
     ids = gradient.ids.reshape(-1).contiguous()
     rows = _float_rows(gradient.grad, ids.numel(), table.dim, "cpu")
     dedup = gradient.dedup
@@ -347,10 +357,10 @@ def fused_adam_update(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, gradi
         dedup = _C.Dedup(**_cpu_ids(ids), num_rows=table.num_rows)
     with table.lock:
         table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
-        _C.sparse_adam_fused(dedup=dedup, grad=_address(rows), padding_idx=gradient.padding_idx,
-                             scale_grad_by_freq=gradient.scale_grad_by_freq, weight=table.buffer, **state,
-                             num_rows=table.num_rows, dim=table.dim, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                             step=step, maximize=maximize)
+        _C.sparse_update_fused(dedup=dedup, grad=_address(rows), padding_idx=gradient.padding_idx,
+                               scale_grad_by_freq=gradient.scale_grad_by_freq, kind=ADAM, weight=table.buffer,
+                               state=buffers, num_rows=table.num_rows, dim=table.dim, lr=lr, beta1=beta1,
+                               beta2=beta2, eps=eps, lr_decay=0.0, step=step, maximize=maximize)
         table.rows_changed(ids)
 
 

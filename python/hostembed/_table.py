@@ -175,17 +175,20 @@ class HostTable:
         self.handle = id(self)
         _by_handle[self.handle] = self
 
-    def _new_buffer(self, *, first_touch=False):
-        buf = allocate(self.num_rows, self.dim, first_touch=first_touch)
+    def _new_buffer(self, *, first_touch=False, per_row=False):
+        width = 1 if per_row else self.dim
+        buf = allocate(self.num_rows, width, first_touch=first_touch)
         if buf.nbytes:
             self._buffers[buf.address] = buf
-        return buf, host_tensor(buf, self.num_rows, self.dim)
+        tensor = host_tensor(buf, self.num_rows, width)
+        return buf, tensor.view(self.num_rows) if per_row else tensor
 
-    def zeros(self, *, first_touch=False):
-        """A new zeroed [num_rows, dim] float32 buffer of this table (rows or
-        optimizer state). Without first_touch, pages are backed only once
-        written: state of rows never trained costs nothing."""
-        return self._new_buffer(first_touch=first_touch)[1]
+    def zeros(self, *, first_touch=False, per_row=False):
+        """A new zeroed float32 buffer of this table: [num_rows, dim] (rows
+        or per-element optimizer state), or [num_rows] with per_row (one
+        state value per row). Without first_touch, pages are backed only
+        once written: state of rows never trained costs nothing."""
+        return self._new_buffer(first_touch=first_touch, per_row=per_row)[1]
 
     def bind(self, param):
         """Makes table_of(param) find this table."""
@@ -204,12 +207,16 @@ class HostTable:
 
     def owns(self, tensor):
         """True when tensor is exactly one of this table's buffers (its rows,
-        or optimizer state made by zeros()): [num_rows, dim] float32,
-        row-major, from the buffer's first byte."""
-        if not (tensor.dtype == torch.float32 and tuple(tensor.shape) == (self.num_rows, self.dim)
+        or optimizer state made by zeros()): [num_rows, dim] (or [num_rows]
+        for per-row state) float32, row-major, from the buffer's first byte.
+        The core checks each shape against its buffer's size."""
+        if not (tensor.dtype == torch.float32 and tuple(tensor.shape) in self._state_shapes()
                 and tensor.device.type == "cpu" and tensor.is_contiguous()):
             return False
         return tensor.numel() == 0 or self._buffers.get(tensor.data_ptr()) is not None
+
+    def _state_shapes(self):
+        return ((self.num_rows, self.dim), (self.num_rows,))
 
     def buffer_of(self, tensor, what):
         """The HostBuffer that tensor is exactly (see owns), for the core; a
@@ -218,7 +225,7 @@ class HostTable:
         if not self.owns(tensor):
             raise RuntimeError(
                 f"hostembed: {what} of a [{self.num_rows}, {self.dim}] host table must be a float32 CPU tensor "
-                f"of that shape in the table's own host memory, got a {list(tensor.shape)} {tensor.dtype} tensor "
+                f"of that shape (or [{self.num_rows}] for per-row state) in the table's own host memory, got a {list(tensor.shape)} {tensor.dtype} tensor "
                 f"on {tensor.device}{'' if tensor.is_contiguous() else ', not contiguous'} that is not one"
             )
         if tensor.numel() == 0:

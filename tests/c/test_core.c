@@ -46,7 +46,9 @@
 #include "host_memory.h"
 #include "ids.h"
 #include "renorm.h"
+#include "optimizers.h"
 #include "sparse_adam.h"
+#include "sparse_update.h"
 #include "table.h"
 #include "thread_pool.h"
 
@@ -1460,6 +1462,78 @@ static void test_sparse_adam_fused(void)
     group_end("sparse_adam_fused");
 }
 
+/* Every optimizer: the fused backward gives the same bits as grad_reduce
+ * then he_sparse_update (row-wise Adagrad, which needs whole rows, also
+ * past the reduce's column block), and a bad table changes nothing. */
+static void test_sparse_update_every_optimizer(void)
+{
+    group_begin();
+    const int64_t rows = 120, count = 400;
+    const int64_t dims[] = {3, 64, 300};
+    for (int kind = 0; kind < HE_OPTIM_KINDS; kind++) {
+        const he_optim_rule *rule = he_optim_rule_of(kind);
+        for (size_t di = 0; di < sizeof dims / sizeof *dims; di++) {
+            int64_t dim = dims[di];
+            int64_t *ids = xmalloc((size_t)count * sizeof *ids);
+            float *grad = xmalloc((size_t)(count * dim) * sizeof *grad);
+            g_rng = 99 + (uint64_t)dim;
+            for (int64_t i = 0; i < count; i++)
+                ids[i] = (int64_t)(rng_below(3) ? rng_below(10) : rng_below((uint64_t)rows));
+            fill_uniform(grad, count * dim, -1.0, 1.0);
+            /* weight, then up to two states, twice: fused and reference. */
+            float *mem[2][3];
+            he_table t[2][3];
+            for (int c = 0; c < 2; c++)
+                for (int i = 0; i < 3; i++) {
+                    int64_t width = i > 0 && rule->per_row[i - 1] ? 1 : dim;
+                    mem[c][i] = xmalloc((size_t)(rows * width) * sizeof(float));
+                    g_rng = 5 + (uint64_t)i;
+                    fill_uniform(mem[c][i], rows * width, i ? 0.0 : -1.0, 1.0);
+                    t[c][i] = he_table_contiguous(mem[c][i], (size_t)(rows * width) * sizeof(float), rows, width);
+                }
+            he_optim_params hp = {.kind = kind, .lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-6,
+                                  .lr_decay = 0.01, .step = 2, .maximize = (int)(dim % 2)};
+            he_reduce_opts opts = {4, 0};
+            he_ids view = {ids, count, 1};
+            he_dedup *d = NULL;
+            CHECK_ST(he_dedup_build(&view, rows, &d), HE_OK);
+            CHECK_ST(he_sparse_update_fused(d, grad, &opts, &hp, &t[0][0], &t[0][1], rule->num_state), HE_OK);
+            float *values = xmalloc((size_t)(d->num_unique * dim) * sizeof *values);
+            int64_t *indices = xmalloc((size_t)d->num_unique * sizeof *indices), nnz = 0;
+            CHECK_ST(he_grad_reduce(d, grad, dim, &opts, values, indices, &nnz), HE_OK);
+            CHECK_ST(he_sparse_update(&hp, &t[1][0], &t[1][1], rule->num_state, indices, values, nnz), HE_OK);
+            for (int i = 0; i <= rule->num_state; i++)
+                CHECKF(memcmp(mem[0][i], mem[1][i], t[0][i].nbytes) == 0,
+                       "%s, dim %" PRId64 ": table %d differs between fused and unfused", rule->name, dim, i);
+            CHECKF(nnz > 0, "%s: no rows", rule->name);
+            /* A miscounted or mis-shaped state is refused before any write. */
+            CHECK_ST(he_sparse_update(&hp, &t[1][0], &t[1][1], rule->num_state + 1, indices, values, nnz),
+                     HE_ERR_VALUE);
+            if (rule->num_state > 0) {
+                he_table wrong[2] = {t[1][1], t[1][2]};
+                wrong[0].dim = rule->per_row[0] ? dim : 1;
+                CHECK_ST(he_sparse_update(&hp, &t[1][0], wrong, rule->num_state, indices, values, nnz),
+                         HE_ERR_VALUE);
+            }
+            for (int i = 0; i <= rule->num_state; i++)
+                CHECK(memcmp(mem[0][i], mem[1][i], t[0][i].nbytes) == 0);
+            for (int c = 0; c < 2; c++)
+                for (int i = 0; i < 3; i++)
+                    free(mem[c][i]);
+            free(values);
+            free(indices);
+            free(ids);
+            free(grad);
+            he_dedup_free(d);
+        }
+    }
+    he_optim_params bad = {.kind = 17};
+    he_table none = he_table_contiguous(NULL, 0, 0, 0);
+    CHECK_ST(he_sparse_update(&bad, &none, NULL, 0, NULL, NULL, 0), HE_ERR_VALUE);
+    CHECK_MSG("unknown optimizer kind 17");
+    group_end("sparse_update_every_optimizer");
+}
+
 static void test_scratch(void)
 {
     group_begin();
@@ -2012,6 +2086,7 @@ int main(void)
     test_renorm();
     test_sparse_adam();
     test_sparse_adam_fused();
+    test_sparse_update_every_optimizer();
     test_scratch();
     test_negative_shapes();
     test_table_bounds();

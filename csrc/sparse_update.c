@@ -1,0 +1,194 @@
+#include "sparse_update.h"
+
+#include <inttypes.h>
+#include <stdlib.h>
+
+#include "ids.h"
+#include "optimizers.h"
+#include "simd.h"
+#include "thread_pool.h"
+
+/* One step of one optimizer on one table: what every row update needs. */
+typedef struct update_ctx {
+    const he_optim_rule *rule;
+    he_optim_consts c;
+    he_table w;
+    he_table s[HE_OPTIM_MAX_STATE];
+} update_ctx;
+
+/* Columns [col, col + n) of row r, from that row's gradient g. */
+static inline void update_row(const update_ctx *u, int64_t r, int64_t col, const float *g, int64_t n)
+{
+    float *s[HE_OPTIM_MAX_STATE] = {NULL, NULL};
+    for (int i = 0; i < u->rule->num_state; i++)
+        s[i] = he_table_row(&u->s[i], r) + (u->rule->per_row[i] ? 0 : col);
+    u->rule->row(&u->c, he_table_row(&u->w, r) + col, s, g, n);
+}
+
+/* The row and its state wait on DRAM: asked for a few rows ahead. */
+static inline void prefetch_row(const update_ctx *u, int64_t r)
+{
+    size_t row_bytes = (size_t)u->w.dim * sizeof(float);
+    he_prefetch_row(he_table_row(&u->w, r), row_bytes, 1);
+    for (int i = 0; i < u->rule->num_state; i++)
+        he_prefetch_row(he_table_row(&u->s[i], r), u->rule->per_row[i] ? sizeof(float) : row_bytes, 1);
+}
+
+typedef struct rows_job {
+    const update_ctx *u;
+    const int64_t *indices;
+    const float *values;
+} rows_job;
+
+static void rows_range(void *ctx, int64_t begin, int64_t end)
+{
+    const rows_job *job = ctx;
+    int64_t dim = job->u->w.dim;
+    for (int64_t k = begin; k < end; k++) {
+        if (k + HE_PREFETCH_AHEAD < end)
+            prefetch_row(job->u, job->indices[k + HE_PREFETCH_AHEAD]);
+        update_row(job->u, job->indices[k], 0, job->values + k * dim, dim);
+    }
+}
+
+/* Rows indices[0..nnz), distinct and in range. */
+static he_status update_rows(const update_ctx *u, const int64_t *indices, const float *values, int64_t nnz)
+{
+    int64_t dim = u->w.dim;
+    if (dim == 0)
+        return HE_OK; /* nothing to update (the indices were checked) */
+    rows_job job = {u, indices, values};
+    return he_parallel_for(nnz, 4096 / dim + 1, rows_range, &job);
+}
+
+/* The fused backward's sink: the rule's row function on the sum's column
+ * block (the element-wise rules give the same bits block by block; a
+ * whole-row rule gets whole rows, see he_sparse_update_fused). */
+static void fused_apply(const void *ctx, int64_t row, int64_t col, const float *sum, int64_t n)
+{
+    update_row(ctx, row, col, sum, n);
+}
+
+static void fused_prefetch(const void *ctx, int64_t row)
+{
+    prefetch_row(ctx, row);
+}
+
+/* Checks the tables against the rule and each other, and makes the step's
+ * scalars. State tables must have memory of their own: the row update
+ * reads and writes them through restrict pointers. */
+static he_status prepare(const he_optim_params *hp, const he_table *weight, const he_table *state, int num_state,
+                         update_ctx *u)
+{
+    const he_optim_rule *rule = he_optim_rule_of(hp->kind);
+    if (!rule)
+        return he_fail(HE_ERR_VALUE, "unknown optimizer kind %d", hp->kind);
+    if (num_state != rule->num_state)
+        return he_fail(HE_ERR_VALUE, "%s keeps %d state tables, got %d", rule->name, rule->num_state, num_state);
+    he_status st = he_table_check(weight, "weight");
+    if (st != HE_OK)
+        return st;
+    for (int i = 0; i < num_state; i++) {
+        const he_table *s = &state[i];
+        const char *what = rule->state_names[i];
+        if ((st = he_table_check(s, what)) != HE_OK)
+            return st;
+        int64_t dim = rule->per_row[i] ? 1 : weight->dim;
+        if (s->num_rows != weight->num_rows || s->dim != dim)
+            return he_fail(HE_ERR_VALUE,
+                           "%s's %s: a [%" PRId64 ", %" PRId64 "] table for a [%" PRId64 ", %" PRId64
+                           "] weight (expected [%" PRId64 ", %" PRId64 "])",
+                           rule->name, what, s->num_rows, s->dim, weight->num_rows, weight->dim, weight->num_rows,
+                           dim);
+        if (he_table_overlap(s, weight))
+            return he_fail(HE_ERR_VALUE, "%s's %s overlaps the weight's memory", rule->name, what);
+        for (int j = 0; j < i; j++)
+            if (he_table_overlap(s, &state[j]))
+                return he_fail(HE_ERR_VALUE, "%s's %s and %s overlap", rule->name, rule->state_names[j], what);
+        u->s[i] = *s;
+    }
+    u->rule = rule;
+    u->w = *weight;
+    if ((st = rule->make_consts(hp, &u->c)) != HE_OK)
+        return st;
+    u->c.dim = (float)weight->dim;
+    return HE_OK;
+}
+
+/* The coalesced gradient of ids with grad rows: ascending unique ids and
+ * their sums (each in position order), in new buffers the caller frees. */
+static he_status coalesce(const he_dedup *d, const float *grad, int64_t dim, const he_reduce_opts *opts,
+                          int64_t **unique_rows, float **sums, int64_t *count)
+{
+    size_t u = (size_t)(d->num_unique > 0 ? d->num_unique : 1);
+    *unique_rows = malloc(u * sizeof **unique_rows);
+    *sums = malloc(u * (size_t)(dim > 0 ? dim : 1) * sizeof **sums);
+    if (!*unique_rows || !*sums)
+        return he_fail(HE_ERR_NOMEM, "could not allocate %zu bytes to coalesce a gradient of %" PRId64 " rows",
+                       u * ((size_t)dim * sizeof **sums + sizeof **unique_rows), d->count);
+    return he_grad_reduce(d, grad, dim, opts, *sums, *unique_rows, count);
+}
+
+he_status he_sparse_update(const he_optim_params *hp, const he_table *weight, const he_table *state,
+                           int num_state, const int64_t *indices, const float *values, int64_t nnz)
+{
+    update_ctx u;
+    he_status st = prepare(hp, weight, state, num_state, &u);
+    if (st != HE_OK)
+        return st;
+    int64_t num_rows = weight->num_rows;
+    if (nnz < 0)
+        return he_fail(HE_ERR_VALUE, "a gradient needs nnz >= 0, got %" PRId64, nnz);
+    int ascending = 1;
+    for (int64_t k = 0; k < nnz; k++) {
+        if ((uint64_t)indices[k] >= (uint64_t)num_rows)
+            return he_fail_out_of_range(k, indices[k], num_rows);
+        if (k > 0 && indices[k] <= indices[k - 1])
+            ascending = 0;
+    }
+    if (ascending)
+        return update_rows(&u, indices, values, nnz);
+
+    he_dedup *d = NULL;
+    int64_t *unique_rows = NULL, count = 0;
+    float *sums = NULL;
+    he_ids ids = {indices, nnz, 1};
+    he_reduce_opts no_opts = {-1, 0};
+    st = he_dedup_build(&ids, num_rows, &d);
+    if (st == HE_OK)
+        st = coalesce(d, values, weight->dim, &no_opts, &unique_rows, &sums, &count);
+    if (st == HE_OK)
+        st = update_rows(&u, unique_rows, sums, count);
+    he_dedup_free(d);
+    free(unique_rows);
+    free(sums);
+    return st;
+}
+
+he_status he_sparse_update_fused(const he_dedup *d, const float *grad, const he_reduce_opts *opts,
+                                 const he_optim_params *hp, const he_table *weight, const he_table *state,
+                                 int num_state)
+{
+    update_ctx u;
+    he_status st = prepare(hp, weight, state, num_state, &u);
+    if (st != HE_OK)
+        return st;
+    /* The ids were range-checked against d->num_rows when it was built. */
+    if (d->num_rows != weight->num_rows)
+        return he_fail(HE_ERR_VALUE, "the ids were checked against %" PRId64 " rows, the table has %" PRId64,
+                       d->num_rows, weight->num_rows);
+    if (u.rule->whole_row && weight->dim > HE_REDUCE_BLOCK) {
+        /* The sums of a long row come in blocks, and this rule needs the
+         * whole row first: they go through memory. */
+        int64_t *unique_rows = NULL, count = 0;
+        float *sums = NULL;
+        st = coalesce(d, grad, weight->dim, opts, &unique_rows, &sums, &count);
+        if (st == HE_OK)
+            st = update_rows(&u, unique_rows, sums, count);
+        free(unique_rows);
+        free(sums);
+        return st;
+    }
+    he_row_update update = {fused_apply, fused_prefetch, &u};
+    return he_grad_reduce_apply(d, grad, weight->dim, opts, &update);
+}

@@ -1,0 +1,38 @@
+/* Any sparse optimizer's update (optimizers.h), in place on host-memory
+ * rows: one threaded pass over the gradient's rows, whatever the optimizer. */
+#ifndef HE_SPARSE_UPDATE_H
+#define HE_SPARSE_UPDATE_H
+
+#include <stdint.h>
+
+#include "dedup.h"
+#include "grad_reduce.h"
+#include "he_optim.h"
+#include "he_status.h"
+#include "table.h"
+
+/* Updates rows indices[0..nnz) of weight ([num_rows, dim]) and of the
+ * optimizer's num_state state tables (as optimizers.c lays them out: per
+ * element [num_rows, dim], per row [num_rows, 1]; each checked against
+ * its buffer with he_table_check and against the weight's shape; row
+ * strides may differ) with gradient rows values[0..nnz) ([nnz, dim],
+ * row-major). Tables that do not fit their buffers, overlap, or do not
+ * match the optimizer (HE_ERR_VALUE), and indices outside [0, num_rows)
+ * (HE_ERR_INDEX), are refused before anything is written. Repeated indices
+ * are summed first, in ascending position order (autograd never marks the
+ * gradient it stores as coalesced, so the indices are checked, not a
+ * flag). */
+he_status he_sparse_update(const he_optim_params *hp, const he_table *weight, const he_table *state,
+                           int num_state, const int64_t *indices, const float *values, int64_t nnz);
+
+/* Backward and update in one pass (the fused mode): the gradient of a
+ * lookup of d's ids is grad ([d->count, dim] rows in the batch's order);
+ * each unique id's rows are summed as he_grad_reduce sums them (opts) and
+ * the sum goes straight into that row's update. The same bits as
+ * he_grad_reduce followed by he_sparse_update. d must have been built for
+ * weight's row count. */
+he_status he_sparse_update_fused(const he_dedup *d, const float *grad, const he_reduce_opts *opts,
+                                 const he_optim_params *hp, const he_table *weight, const he_table *state,
+                                 int num_state);
+
+#endif

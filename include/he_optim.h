@@ -1,0 +1,27 @@
+/* The sparse optimizers of host tables and one step's hyperparameters,
+ * shared by the CPU core (csrc/optimizers.c) and, as kernels arrive, the
+ * GPU update. */
+#ifndef HE_OPTIM_H
+#define HE_OPTIM_H
+
+#include <stdint.h>
+
+typedef enum he_optim_kind {
+    HE_OPTIM_ADAM = 0,             /* torch.optim.SparseAdam */
+    HE_OPTIM_SGD = 1,              /* torch.optim.SGD, momentum 0 */
+    HE_OPTIM_ADAGRAD = 2,          /* torch.optim.Adagrad on a sparse gradient */
+    HE_OPTIM_ROWWISE_ADAGRAD = 3,  /* one accumulator per row (FBGEMM's exact row-wise Adagrad) */
+    HE_OPTIM_KINDS = 4
+} he_optim_kind;
+
+typedef struct he_optim_params {
+    int kind;             /* he_optim_kind */
+    double lr;
+    double beta1, beta2;  /* Adam */
+    double eps;           /* Adam, Adagrad, row-wise Adagrad */
+    double lr_decay;      /* Adagrad */
+    int64_t step;         /* after this step's increment, as torch counts: 1 on the first step */
+    int maximize;
+} he_optim_params;
+
+#endif
