@@ -4,8 +4,10 @@ in one threaded pass of the C core over the gradient's rows.
 
 SGD and Adagrad are torch's classes with torch's signature, validation,
 state keys and numerics (the core computes what torch's sparse-gradient
-branch computes, to the bit on the CPU); only the hyperparameters that make
-a sparse step touch every row are refused for host tables (say why below).
+branch computes: SGD to the bit, Adagrad within an ulp, since torch's
+vectorised sqrt is not always correctly rounded); only the hyperparameters
+that make a sparse step touch every row are refused for host tables (the
+classes say why).
 Any other parameter is updated by torch's own step.
 """
 import torch
@@ -179,8 +181,9 @@ class Adagrad(_HostStep, torch.optim.Adagrad):
     float32 0-d tensor, and ``sum``) and numerics: for a hostembed table,
     the core runs torch's sparse-gradient branch in place, in one pass
     (``sum += g*g; w -= clr * g / (sqrt(sum) + eps)`` on the gradient's
-    rows, ``clr = lr / (1 + (step - 1) * lr_decay)``), the same bits as
-    torch's CPU step.
+    rows, ``clr = lr / (1 + (step - 1) * lr_decay)``): the same ``sum``
+    bits as torch's CPU step, the weights within an ulp (torch's
+    vectorised sqrt is not always correctly rounded).
 
     As torch does, the state is made at construction: a host table's
     ``sum`` is a buffer of the table in host memory, whose pages are backed
