@@ -12,6 +12,7 @@ from ._lookup_gpu import take_grad_twin
 from ._stream import copy_rows
 from ._table import table_of
 from ._update_choice import UpdateChooser
+from .optimizers import check_row_sparse, owned_state
 
 _STATE_TENSORS = ("exp_avg", "exp_avg_sq")
 _STATE_KEYS = ("step",) + _STATE_TENSORS
@@ -136,21 +137,7 @@ class SparseAdam(torch.optim.SparseAdam):
 
     def _host_step(self, p, table, group):
         grad = p.grad
-        if grad.shape != p.shape:
-            raise RuntimeError(f"SparseAdam: gradient of shape {list(grad.shape)} for a parameter of shape {list(p.shape)}")
-        if grad.sparse_dim() != 1:
-            # A fully sparse COO tensor a user built (sparse_dim=2) lists
-            # elements, and torch's SparseAdam updates only those; the core
-            # updates whole rows, which would move (and decay the moments
-            # of) elements with no gradient. Refused rather than made
-            # row-sparse behind the user's back.
-            raise RuntimeError(
-                f"SparseAdam: a hostembed table takes a row-sparse gradient (sparse_dim=1: indices [1, nnz], "
-                f"values [nnz, {p.shape[1]}]), as its backward makes; got a sparse COO gradient with "
-                f"sparse_dim={grad.sparse_dim()} and dense_dim={grad.dense_dim()}. Its element-wise semantics "
-                "(only the listed elements change) are not supported; to update whole rows instead, pass "
-                "grad.coalesce().to_dense().to_sparse(1)"
-            )
+        check_row_sparse(p, grad, "SparseAdam")
         # Coalesced or not (autograd never marks what it stores as
         # coalesced): the core sums repeated rows itself, after checking the
         # range and before writing anything. The op checks the shapes.
@@ -248,19 +235,7 @@ class SparseAdam(torch.optim.SparseAdam):
             # the buffer objects, not addresses): moments put into the state
             # by hand as ordinary tensors are copied into new ones, and kept
             # in the state only once the step is accepted.
-            def own(tensor):
-                # A [num_rows, dim] floating CPU tensor that is not a buffer
-                # of the table is copied into one; anything else goes to the
-                # op as it is, which refuses it with a message.
-                if table.owns(tensor) or not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() \
-                        or tensor.is_sparse or tensor.device.type != "cpu" \
-                        or tuple(tensor.shape) != (table.num_rows, table.dim):
-                    return tensor
-                copy = table.zeros()
-                copy_rows(copy, tensor.detach())
-                return copy
-
-            exp_avg, exp_avg_sq = own(exp_avg), own(exp_avg_sq)
+            exp_avg, exp_avg_sq = owned_state(table, exp_avg), owned_state(table, exp_avg_sq)
         return exp_avg, exp_avg_sq, step
 
     def load_state_dict(self, state_dict):

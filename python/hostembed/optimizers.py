@@ -18,6 +18,26 @@ from ._stream import copy_rows
 from ._table import table_of
 
 
+def check_row_sparse(p, grad, name):
+    """Refuses a sparse gradient that is not row-sparse and shaped like the
+    table p (RuntimeError naming the optimizer)."""
+    if grad.shape != p.shape:
+        raise RuntimeError(f"{name}: gradient of shape {list(grad.shape)} for a parameter of shape {list(p.shape)}")
+    if grad.sparse_dim() != 1:
+        # A fully sparse COO tensor a user built (sparse_dim=2) lists
+        # elements, and torch updates only those; the core updates whole
+        # rows, which would move (and, for Adam, decay the moments of)
+        # elements with no gradient. Refused rather than made row-sparse
+        # behind the user's back.
+        raise RuntimeError(
+            f"{name}: a hostembed table takes a row-sparse gradient (sparse_dim=1: indices [1, nnz], values "
+            f"[nnz, {p.shape[1]}]), as its backward makes; got a sparse COO gradient with "
+            f"sparse_dim={grad.sparse_dim()} and dense_dim={grad.dense_dim()}. Its element-wise semantics (only "
+            "the listed elements change) are not supported; to update whole rows instead, pass "
+            "grad.coalesce().to_dense().to_sparse(1)"
+        )
+
+
 def row_sparse_gradient(p, table, name):
     """(indices, values) of a host table's gradient p.grad, checked: a
     row-sparse COO tensor shaped like the table. The core sums repeated rows
@@ -26,20 +46,7 @@ def row_sparse_gradient(p, table, name):
     if not grad.is_sparse:
         raise RuntimeError(f"{name}: a hostembed table takes a sparse gradient (its backward makes one); got a "
                            "dense one")
-    if grad.shape != p.shape:
-        raise RuntimeError(f"{name}: gradient of shape {list(grad.shape)} for a parameter of shape {list(p.shape)}")
-    if grad.sparse_dim() != 1:
-        # A fully sparse COO tensor a user built (sparse_dim=2) lists
-        # elements, and torch updates only those; the core updates whole
-        # rows, which would move elements with no gradient. Refused rather
-        # than made row-sparse behind the user's back.
-        raise RuntimeError(
-            f"{name}: a hostembed table takes a row-sparse gradient (sparse_dim=1: indices [1, nnz], values "
-            f"[nnz, {p.shape[1]}]), as its backward makes; got a sparse COO gradient with "
-            f"sparse_dim={grad.sparse_dim()} and dense_dim={grad.dense_dim()}. Its element-wise semantics (only "
-            "the listed elements change) are not supported; to update whole rows instead, pass "
-            "grad.coalesce().to_dense().to_sparse(1)"
-        )
+    check_row_sparse(p, grad, name)
     # Taken (and so released) whatever happens next: it holds GPU memory.
     take_grad_twin(table, grad)
     return grad._indices()[0], grad._values()
