@@ -62,6 +62,27 @@ static PyObject *heb_dedup_num_unique(heb_dedup *self, void *closure)
     return PyLong_FromLongLong(self->d->num_unique);
 }
 
+static PyObject *heb_dedup_export(heb_dedup *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"unique", "inverse", NULL};
+    HEB_ADDRESS(unique);
+    HEB_ADDRESS(inverse);
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&O&:export", kwlist, heb_address_converter, &unique,
+                                     heb_address_converter, &inverse))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    he_dedup_export(self->d, unique.ptr, inverse.ptr);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef heb_dedup_methods[] = {
+    {"export", (PyCFunction)(void (*)(void))heb_dedup_export, METH_VARARGS | METH_KEYWORDS,
+     "export(*, unique, inverse)\n--\n\nWrites the unique ids (num_unique int64) and each id's index among them "
+     "(count int64) at the two addresses"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyGetSetDef heb_dedup_getset[] = {
     {"num_unique", (getter)heb_dedup_num_unique, NULL, "number of distinct ids", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -78,6 +99,7 @@ static PyTypeObject heb_dedup_type = {
     .tp_new = heb_dedup_new,
     .tp_dealloc = (destructor)heb_dedup_dealloc,
     .tp_getset = heb_dedup_getset,
+    .tp_methods = heb_dedup_methods,
 };
 
 /* ---- functions */
@@ -111,18 +133,22 @@ static PyObject *heb_gather(PyObject *mod, PyObject *args, PyObject *kwds)
 static PyObject *heb_grad_reduce(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
-    static char *kwlist[] = {"dedup", "grad", "dim", "padding_idx", "scale_grad_by_freq", "values", "indices", NULL};
+    static char *kwlist[] = {"dedup", "grad", "dim", "padding_idx", "scale_grad_by_freq", "values", "indices",
+                             "bag_of", "row_weights", "num_bags", NULL};
     heb_dedup *dedup;
     HEB_ADDRESS(grad);
     HEB_ADDRESS(values);
     HEB_ADDRESS(indices);
-    long long dim, padding_idx;
+    HEB_ADDRESS(bag_of);
+    HEB_ADDRESS(row_weights);
+    long long dim, padding_idx, num_bags;
     int scale;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LLpO&O&:grad_reduce", kwlist, &heb_dedup_type, &dedup,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LLpO&O&O&O&L:grad_reduce", kwlist, &heb_dedup_type, &dedup,
                                      heb_address_converter, &grad, &dim, &padding_idx, &scale,
-                                     heb_address_converter, &values, heb_address_converter, &indices))
+                                     heb_address_converter, &values, heb_address_converter, &indices,
+                                     heb_address_converter, &bag_of, heb_address_converter, &row_weights, &num_bags))
         return NULL;
-    he_reduce_opts opts = {padding_idx, scale};
+    he_reduce_opts opts = {padding_idx, scale, bag_of.ptr, row_weights.ptr, num_bags};
     int64_t written = 0;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
@@ -228,18 +254,21 @@ static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject
     (void)mod;
     static char *kwlist[] = {"dedup", "grad", "padding_idx", "scale_grad_by_freq", "kind", "weight", "state",
                              "num_rows", "dim", "lr", "beta1", "beta2", "eps", "lr_decay", "step", "maximize",
-                             NULL};
+                             "bag_of", "row_weights", "num_bags", NULL};
     heb_dedup *dedup;
     HEB_ADDRESS(grad);
     HEB_BUFFER(weight);
+    HEB_ADDRESS(bag_of);
+    HEB_ADDRESS(row_weights);
     PyObject *state;
-    long long padding_idx, num_rows, dim, step;
+    long long padding_idx, num_rows, dim, step, num_bags;
     int scale, maximize;
     he_optim_params hp = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LpiO&O!LLdddddLp:sparse_update_fused", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LpiO&O!LLdddddLpO&O&L:sparse_update_fused", kwlist,
                                      &heb_dedup_type, &dedup, heb_address_converter, &grad, &padding_idx, &scale,
                                      &hp.kind, heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows,
-                                     &dim, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize))
+                                     &dim, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize,
+                                     heb_address_converter, &bag_of, heb_address_converter, &row_weights, &num_bags))
         return NULL;
     hp.step = step;
     hp.maximize = maximize;
@@ -247,7 +276,7 @@ static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject
     int num_state;
     if (heb_optim_tables(&weight, state, num_rows, dim, &hp, &w, s, &num_state) < 0)
         return NULL;
-    he_reduce_opts opts = {padding_idx, scale};
+    he_reduce_opts opts = {padding_idx, scale, bag_of.ptr, row_weights.ptr, num_bags};
     he_status st;
     Py_BEGIN_ALLOW_THREADS
     st = he_sparse_update_fused(dedup->d, (const float *)grad.ptr, &opts, &hp, &w, s, num_state);
@@ -263,15 +292,17 @@ static PyMethodDef heb_cpu_methods[] = {
      "out[i] = table[ids[i]] (table: the HostBuffer of the [num_rows, dim] rows; ValueError if they do not "
      "fit it); IndexError (out may be written, the table never) for an id outside [0, num_rows)"},
     {"grad_reduce", HEB_KW_FUNC(heb_grad_reduce), METH_VARARGS | METH_KEYWORDS,
-     "grad_reduce($module, /, *, dedup, grad, dim, padding_idx, scale_grad_by_freq, values, indices)\n--\n\n"
+     "grad_reduce($module, /, *, dedup, grad, dim, padding_idx, scale_grad_by_freq, values, indices, bag_of, "
+     "row_weights, num_bags)\n--\n\n"
      "Sums the grad rows of each unique id of dedup into values/indices (ascending ids, padding_idx "
-     "left out) -> rows written"},
+     "left out) -> rows written. bag_of (0: none): position p's row is grad[bag_of[p]] ([num_bags, dim] "
+     "grad), times row_weights[p] (0: none)"},
     {"renorm", HEB_KW_FUNC(heb_renorm), METH_VARARGS | METH_KEYWORDS,
      "renorm($module, /, *, table, num_rows, dim, dedup, max_norm, norm_type)\n--\n\n"
      "max_norm in place on the unique rows of dedup (a Dedup built for num_rows) of the table's HostBuffer"},
     {"sparse_update_fused", HEB_KW_FUNC(heb_sparse_update_fused), METH_VARARGS | METH_KEYWORDS,
      "sparse_update_fused($module, /, *, dedup, grad, padding_idx, scale_grad_by_freq, kind, weight, state, "
-     "num_rows, dim, lr, beta1, beta2, eps, lr_decay, step, maximize)\n--\n\n"
+     "num_rows, dim, lr, beta1, beta2, eps, lr_decay, step, maximize, bag_of, row_weights, num_bags)\n--\n\n"
      "grad_reduce of grad ([dedup.count, dim] rows) fed straight into the optimizer's row update: the same "
      "bits as the two calls, without writing the sums out"},
     {"sparse_update", HEB_KW_FUNC(heb_sparse_update), METH_VARARGS | METH_KEYWORDS,

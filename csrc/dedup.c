@@ -141,3 +141,12 @@ done:
         he_dedup_free(d);
     return st;
 }
+
+void he_dedup_export(const he_dedup *d, int64_t *unique, int64_t *inverse)
+{
+    for (int64_t k = 0; k < d->num_unique; k++) {
+        unique[k] = d->unique[k];
+        for (int64_t p = d->offsets[k]; p < d->offsets[k + 1]; p++)
+            inverse[d->order[p]] = k;
+    }
+}

@@ -22,4 +22,9 @@ typedef struct he_dedup {
 he_status he_dedup_build(const he_ids *ids, int64_t num_rows, he_dedup **out);
 void he_dedup_free(he_dedup *d);
 
+/* unique[num_unique] = the unique ids; inverse[count]: inverse[i] is the
+ * index in unique of the i-th id (what torch.unique(return_inverse=True)
+ * gives, from the sort already done). */
+void he_dedup_export(const he_dedup *d, int64_t *unique, int64_t *inverse);
+
 #endif

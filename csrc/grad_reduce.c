@@ -1,5 +1,7 @@
 #include "grad_reduce.h"
 
+#include <inttypes.h>
+
 #include "simd.h"
 #include "thread_pool.h"
 
@@ -9,33 +11,48 @@ typedef struct reduce_job {
     int64_t dim;
     int64_t skip_at; /* unique index of padding_idx, or -1 */
     int scale;
+    const int64_t *bag_of;
+    const float *row_weights;
     float *out_values;  /* NULL when the sums go to update instead */
     int64_t *out_indices;
     const he_row_update *update;
 } reduce_job;
 
-/* Sums columns [col, col + n) of the grad rows order[first..last) into
- * acc, in that order. One call per unique id (and column block), so the
- * ISA dispatch is paid once per id, not per row. The first row is copied
- * rather than added to zeros: the same sum, one pass less (most ids of a
- * batch occur once). */
+/* Sums columns [col, col + n) of the gradient rows of positions
+ * order[first..last) into acc, in that order. One call per unique id (and
+ * column block), so the ISA dispatch is paid once per id, not per row. The
+ * first row is copied rather than added to zeros: the same sum, one pass
+ * less (most ids of a batch occur once). A weighted row is rounded as torch
+ * rounds it: (g * row_weight) * freq_scale, each product on its own. */
 HE_SIMD_CLONES
-static void sum_rows(float *restrict acc, const float *restrict grad, const uint32_t *restrict order, int64_t first,
-                     int64_t last, int64_t prefetch_end, int64_t dim, int64_t col, int64_t n, int scale_rows,
-                     float scale)
+static void sum_rows(float *restrict acc, const reduce_job *job, int64_t first, int64_t last, int64_t prefetch_end,
+                     int64_t col, int64_t n, float scale)
 {
+    const uint32_t *restrict order = job->d->order;
+    const int64_t *bag_of = job->bag_of;
+    const float *row_weights = job->row_weights;
+    int64_t dim = job->dim;
+    int scale_rows = job->scale;
     size_t row_bytes = (size_t)n * sizeof(float);
     for (int64_t i = first; i < last; i++) {
         /* The rows of one id are scattered over the batch. */
-        if (i + HE_PREFETCH_AHEAD < prefetch_end)
-            he_prefetch_row(grad + (int64_t)order[i + HE_PREFETCH_AHEAD] * dim + col, row_bytes, 0);
-        const float *row = grad + (int64_t)order[i] * dim + col;
-        if (i == first) {
+        if (i + HE_PREFETCH_AHEAD < prefetch_end) {
+            int64_t ahead = order[i + HE_PREFETCH_AHEAD];
+            he_prefetch_row(job->grad + (bag_of ? bag_of[ahead] : ahead) * dim + col, row_bytes, 0);
+        }
+        int64_t pos = order[i];
+        const float *restrict row = job->grad + (bag_of ? bag_of[pos] : pos) * dim + col;
+        if (row_weights || scale_rows) {
+            int weighted = row_weights != NULL;
+            float w = weighted ? row_weights[pos] : 1.0f;
+            for (int64_t j = 0; j < n; j++) {
+                float g = weighted ? row[j] * w : row[j];
+                g = scale_rows ? g * scale : g;
+                acc[j] = i == first ? g : acc[j] + g;
+            }
+        } else if (i == first) {
             for (int64_t j = 0; j < n; j++)
-                acc[j] = scale_rows ? row[j] * scale : row[j];
-        } else if (scale_rows) {
-            for (int64_t j = 0; j < n; j++)
-                acc[j] += row[j] * scale;
+                acc[j] = row[j];
         } else {
             for (int64_t j = 0; j < n; j++)
                 acc[j] += row[j];
@@ -65,8 +82,7 @@ static void reduce_range(void *ctx, int64_t begin, int64_t end)
         if (!update) {
             int64_t slot = job->skip_at >= 0 && k > job->skip_at ? k - 1 : k;
             job->out_indices[slot] = d->unique[k];
-            sum_rows(job->out_values + slot * dim, job->grad, d->order, first, last, prefetch_end, dim, 0, dim,
-                     job->scale, scale);
+            sum_rows(job->out_values + slot * dim, job, first, last, prefetch_end, 0, dim, scale);
             continue;
         }
         /* The destination rows wait on DRAM as the update's do. */
@@ -74,7 +90,7 @@ static void reduce_range(void *ctx, int64_t begin, int64_t end)
             update->prefetch(update->ctx, d->unique[k + HE_PREFETCH_AHEAD]);
         for (int64_t col = 0; col < dim; col += HE_REDUCE_BLOCK) {
             int64_t n = dim - col < HE_REDUCE_BLOCK ? dim - col : HE_REDUCE_BLOCK;
-            sum_rows(block, job->grad, d->order, first, last, prefetch_end, dim, col, n, job->scale, scale);
+            sum_rows(block, job, first, last, prefetch_end, col, n, scale);
             update->apply(update->ctx, d->unique[k], col, block, n);
         }
     }
@@ -100,8 +116,15 @@ static he_status reduce(const he_dedup *d, const float *grad, int64_t dim, const
     he_status st = he_check_table_shape(0, dim);
     if (st != HE_OK)
         return st;
+    if (opts->bag_of) {
+        for (int64_t p = 0; p < d->count; p++)
+            if (opts->bag_of[p] < 0 || opts->bag_of[p] >= opts->num_bags)
+                return he_fail(HE_ERR_INDEX, "bag_of[%" PRId64 "] = %" PRId64 " is not in [0, %" PRId64 ")", p,
+                               opts->bag_of[p], opts->num_bags);
+    }
     int64_t skip_at = opts->padding_idx >= 0 ? find_unique(d, opts->padding_idx) : -1;
-    reduce_job job = {d, grad, dim, skip_at, opts->scale_grad_by_freq, out_values, out_indices, update};
+    reduce_job job = {d,         grad,       dim,        skip_at, opts->scale_grad_by_freq, opts->bag_of,
+                      opts->row_weights, out_values, out_indices, update};
     st = he_parallel_for(d->num_unique, grain, reduce_range, &job);
     if (st == HE_OK && out_count)
         *out_count = d->num_unique - (skip_at >= 0);

@@ -9,9 +9,17 @@
 typedef struct he_reduce_opts {
     int64_t padding_idx;   /* this id gets no gradient; -1 for none */
     int scale_grad_by_freq; /* divide each id's rows by its count in the batch */
+    /* Pooled lookups (EmbeddingBag): position p's gradient row is
+     * grad[bag_of[p]] * row_weights[p] (then the frequency scale), so the
+     * bag gradient is never expanded to one row per position in memory.
+     * bag_of NULL: position p's row is grad[p]. row_weights NULL: 1. */
+    const int64_t *bag_of;     /* [d->count], each in [0, num_bags) (checked) */
+    const float *row_weights;  /* [d->count] */
+    int64_t num_bags;          /* rows of grad when bag_of is set */
 } he_reduce_opts;
 
-/* grad: [d->count, dim] rows in the batch's order. Writes the coalesced
+/* grad: [d->count, dim] rows in the batch's order (or [num_bags, dim]
+ * with opts->bag_of). Writes the coalesced
  * sparse gradient: out_indices[k] ascending and out_values[k, :] for every
  * unique id except padding_idx; *out_count says how many (num_unique, or one
  * less). Each sum runs over its positions in ascending order, whatever the

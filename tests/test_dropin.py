@@ -256,12 +256,17 @@ def test_deepcopy_gets_its_own_table():
 
 # ---- replace_embeddings
 
+class CustomBag(nn.EmbeddingBag):
+    """A subclass replace_embeddings cannot know how to convert."""
+
+
 def test_replace_warns_once_per_skipped_module_type():
-    model = nn.Sequential(nn.EmbeddingBag(50, 4), nn.EmbeddingBag(60, 4), nn.Embedding(70, 4))
-    with pytest.warns(UserWarning, match=r"torch.nn.modules.sparse.EmbeddingBag modules are not replaced") as seen:
+    model = nn.Sequential(CustomBag(50, 4), CustomBag(60, 4), nn.Embedding(70, 4), nn.EmbeddingBag(80, 4))
+    with pytest.warns(UserWarning, match=r"test_dropin.CustomBag modules are not replaced") as seen:
         hostembed.replace_embeddings(model)
     assert len([w for w in seen if "not replaced" in str(w.message)]) == 1
-    assert isinstance(model[2], hostembed.Embedding) and type(model[0]) is nn.EmbeddingBag
+    assert type(model[0]) is CustomBag and type(model[1]) is CustomBag
+    assert isinstance(model[2], hostembed.Embedding) and isinstance(model[3], hostembed.EmbeddingBag)
 
 
 # ---- clipping sparse gradients

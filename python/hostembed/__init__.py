@@ -1,8 +1,8 @@
 """hostembed: train embedding tables larger than GPU memory.
 
-A drop-in for torch.nn.Embedding whose table and SparseAdam state live in
-host memory, with a threaded SIMD C core doing the lookups and the updates in
-place.
+Drop-ins for torch.nn.Embedding and torch.nn.EmbeddingBag whose table and
+optimizer state live in host memory, with a threaded SIMD C core doing the
+lookups and the updates in place.
 """
 from . import _ops
 from ._cuda import cuda_available, cuda_compiled
@@ -10,12 +10,13 @@ from ._ids import IdDtypeError
 from .checkpoint import load, save
 from .clip import clip_grad_norm_
 from .embedding import Embedding
+from .embedding_bag import EmbeddingBag
 from .optim import SparseAdam
 from .optimizers import SGD, Adagrad, RowWiseAdagrad
 from .replace import replace_embeddings
 
 __version__ = "0.1.0"
-__all__ = ["Embedding", "SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad", "IdDtypeError", "save", "load", "replace_embeddings", "set_num_threads",
+__all__ = ["Embedding", "EmbeddingBag", "SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad", "IdDtypeError", "save", "load", "replace_embeddings", "set_num_threads",
            "get_num_threads", "empty_cache", "cuda_available", "cuda_compiled", "clip_grad_norm_"]
 
 

@@ -23,6 +23,7 @@ nothing changed.
 """
 import functools
 import weakref
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -34,13 +35,21 @@ ACCUMULATION_MESSAGE = (
 )
 
 
+class Pooling(NamedTuple):
+    """How a bag's gradient reaches its ids: position p's gradient row is
+    grad[bag_of[p]] * row_weights[p] (row_weights None: 1)."""
+    bag_of: torch.Tensor
+    row_weights: Optional[torch.Tensor]
+
+
 class CpuGradient:
-    """A CPU lookup's output gradient, as its backward hands it over."""
+    """A CPU lookup's output gradient, as its backward hands it over
+    (pooling: a bag's Pooling, grad then has a row per bag)."""
 
-    __slots__ = ("ids", "grad", "padding_idx", "scale_grad_by_freq", "dedup")
+    __slots__ = ("ids", "grad", "padding_idx", "scale_grad_by_freq", "dedup", "pooling")
 
-    def __init__(self, ids, grad, padding_idx, scale_grad_by_freq, dedup):
-        self.ids, self.grad, self.dedup = ids, grad, dedup
+    def __init__(self, ids, grad, padding_idx, scale_grad_by_freq, dedup, pooling=None):
+        self.ids, self.grad, self.dedup, self.pooling = ids, grad, dedup, pooling
         self.padding_idx, self.scale_grad_by_freq = padding_idx, scale_grad_by_freq
 
 

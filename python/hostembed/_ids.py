@@ -12,17 +12,15 @@ class IdDtypeError(TypeError, RuntimeError):
     """
 
 
-def prepare_ids(ids) -> torch.Tensor:
+def prepare_ids(ids, who="hostembed.Embedding") -> torch.Tensor:
     """The ids as a contiguous CPU int64/int32 tensor, or a clear error."""
-    check_ids(ids)
+    check_ids(ids, who)
     return ids.to("cpu").contiguous()
 
 
-def check_ids(ids) -> None:
+def check_ids(ids, who="hostembed.Embedding", name="ids") -> None:
     """A clear error unless ids is an int64/int32 tensor (on any device)."""
     if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"hostembed.Embedding: ids must be a torch.Tensor, got {type(ids).__name__}")
+        raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(ids).__name__}")
     if ids.dtype not in ID_DTYPES:
-        raise IdDtypeError(
-            f"hostembed.Embedding: ids must have dtype torch.int64 or torch.int32, got {ids.dtype}"
-        )
+        raise IdDtypeError(f"{who}: {name} must have dtype torch.int64 or torch.int32, got {ids.dtype}")

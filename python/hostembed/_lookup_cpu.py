@@ -4,10 +4,14 @@ from . import _ops
 from ._ids import prepare_ids
 
 
-def lookup(module, ids):
+def lookup(module, ids, scale_grad_by_freq=None):
+    """module.weight[ids] (autograd through the core's lookup op), with the
+    module's options; scale_grad_by_freq overrides the module's."""
+    if scale_grad_by_freq is None:
+        scale_grad_by_freq = module.scale_grad_by_freq
     lookup_fn = _ops.fused_embedding_lookup if module._table.fused else _ops.embedding_lookup
     out = lookup_fn(module.weight, prepare_ids(ids), _padding(module), _max_norm(module), float(module.norm_type),
-                    module.scale_grad_by_freq, module.sparse)
+                    scale_grad_by_freq, module.sparse)
     if module.output_device.type != "cpu":
         out = out.to(module.output_device)
     return out

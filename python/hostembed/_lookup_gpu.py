@@ -22,11 +22,14 @@ from ._ids import check_ids
 from ._lookup_cpu import _max_norm, _padding
 
 
-def lookup(module, ids):
+def lookup(module, ids, scale_grad_by_freq=None):
+    """As _lookup_cpu.lookup, with outputs on the module's GPU."""
+    if scale_grad_by_freq is None:
+        scale_grad_by_freq = module.scale_grad_by_freq
     check_ids(ids)
     lookup_fn = _ops.fused_embedding_gpu_lookup if module._table.fused else _ops.embedding_gpu_lookup
     return lookup_fn(module.weight, module._table.handle, ids, resolve_device(module.output_device),
-                     _padding(module), _max_norm(module), float(module.norm_type), module.scale_grad_by_freq,
+                     _padding(module), _max_norm(module), float(module.norm_type), scale_grad_by_freq,
                      module.sparse)
 
 

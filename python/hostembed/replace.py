@@ -1,18 +1,21 @@
-"""Swapping the big nn.Embedding modules of an existing model for host tables."""
+"""Swapping the big nn.Embedding / nn.EmbeddingBag modules of an existing
+model for host tables."""
 import warnings
 
 import torch
 from torch import nn
 
 from ._stream import copy_rows
-from .embedding import _UNINITIALISED, Embedding
+from ._host_module import _UNINITIALISED, HostTableModule
+from .embedding import Embedding
+from .embedding_bag import EmbeddingBag
 
 
 def replace_embeddings(model, min_rows=0, *, sparse=None, progress=None):
-    """Replaces every ``torch.nn.Embedding`` in `model` with at least
-    `min_rows` rows by a :class:`hostembed.Embedding` with the same options
-    and weights; returns the model (or the replacement, when `model` itself
-    is an nn.Embedding).
+    """Replaces every ``torch.nn.Embedding`` and ``torch.nn.EmbeddingBag``
+    in `model` with at least `min_rows` rows by a :class:`hostembed.Embedding`
+    or :class:`hostembed.EmbeddingBag` with the same options and weights;
+    returns the model (or the replacement, when `model` itself is one).
 
     Rows move in chunks. A CPU weight that nothing else shares (no views, no
     other tensor on its storage) is released as its rows are copied, so peak
@@ -37,7 +40,7 @@ def replace_embeddings(model, min_rows=0, *, sparse=None, progress=None):
         return replaced[id(module)]
 
     def wants(module):
-        return type(module) is nn.Embedding and module.num_embeddings >= min_rows
+        return type(module) in (nn.Embedding, nn.EmbeddingBag) and module.num_embeddings >= min_rows
 
     if wants(model):
         return convert(model)
@@ -51,7 +54,7 @@ def replace_embeddings(model, min_rows=0, *, sparse=None, progress=None):
     for kind in sorted(skipped, key=lambda t: t.__qualname__):
         warnings.warn(
             f"replace_embeddings: {kind.__module__}.{kind.__qualname__} modules are not replaced (only "
-            "torch.nn.Embedding is); their tables stay where they are",
+            "torch.nn.Embedding and torch.nn.EmbeddingBag are); their tables stay where they are",
             UserWarning,
             stacklevel=2,
         )
@@ -60,9 +63,9 @@ def replace_embeddings(model, min_rows=0, *, sparse=None, progress=None):
 
 def _skipped_table(module, min_rows):
     """An embedding-like torch module big enough to replace that this
-    function does not convert (nn.EmbeddingBag, subclasses of nn.Embedding
+    function does not convert (subclasses of nn.Embedding or nn.EmbeddingBag
     other than hostembed's own)."""
-    if isinstance(module, Embedding) or type(module) is nn.Embedding:
+    if isinstance(module, HostTableModule) or type(module) in (nn.Embedding, nn.EmbeddingBag):
         return False
     if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
         return False
@@ -72,10 +75,14 @@ def _skipped_table(module, min_rows):
 def _to_host(old, sparse, progress):
     weight = old.weight
     device = weight.device if weight.device.type not in ("cpu", "meta") else None
-    new = Embedding(old.num_embeddings, old.embedding_dim, padding_idx=old.padding_idx, max_norm=old.max_norm,
-                    norm_type=old.norm_type, scale_grad_by_freq=old.scale_grad_by_freq,
-                    sparse=old.sparse if sparse is None else sparse, _weight=_UNINITIALISED,
-                    _freeze=not weight.requires_grad, device=device)
+    options = dict(padding_idx=old.padding_idx, max_norm=old.max_norm, norm_type=old.norm_type,
+                   scale_grad_by_freq=old.scale_grad_by_freq, sparse=old.sparse if sparse is None else sparse,
+                   _weight=_UNINITIALISED, _freeze=not weight.requires_grad, device=device)
+    if isinstance(old, nn.EmbeddingBag):
+        new = EmbeddingBag(old.num_embeddings, old.embedding_dim, mode=old.mode,
+                           include_last_offset=old.include_last_offset, **options)
+    else:
+        new = Embedding(old.num_embeddings, old.embedding_dim, **options)
     if weight.device.type == "meta":
         return new
     release = weight.device.type == "cpu" and weight.is_contiguous() and _sole_owner(weight)

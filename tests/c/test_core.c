@@ -1534,6 +1534,100 @@ static void test_sparse_update_every_optimizer(void)
     group_end("sparse_update_every_optimizer");
 }
 
+/* A pooled gradient (EmbeddingBag: a row per bag, each position pointing at
+ * its bag with a weight) reduces to the same bits as the rows expanded per
+ * position in memory, with and without the frequency scale, on 1 and 3
+ * threads; the fused update agrees; a bag index out of range is refused
+ * before anything is written. */
+static void test_grad_reduce_pooled(void)
+{
+    group_begin();
+    const int64_t rows = 300, count = 2000, bags = 150;
+    const int64_t dims[] = {7, 300};
+    for (size_t di = 0; di < sizeof dims / sizeof *dims; di++) {
+        int64_t dim = dims[di];
+        g_rng = 41 + (uint64_t)dim;
+        int64_t *ids = xmalloc((size_t)count * sizeof *ids), *bag_of = xmalloc((size_t)count * sizeof *bag_of);
+        float *weights = xmalloc((size_t)count * sizeof *weights);
+        float *grad = xmalloc((size_t)(bags * dim) * sizeof *grad);
+        float *expanded = xmalloc((size_t)(count * dim) * sizeof *expanded);
+        for (int64_t i = 0; i < count; i++) {
+            ids[i] = (int64_t)(rng_below(2) ? rng_below(12) : rng_below((uint64_t)rows));
+            bag_of[i] = (int64_t)rng_below((uint64_t)bags);
+        }
+        fill_uniform(weights, count, -2.0, 2.0);
+        fill_uniform(grad, bags * dim, -1.0, 1.0);
+        for (int64_t i = 0; i < count; i++)
+            for (int64_t j = 0; j < dim; j++)
+                expanded[i * dim + j] = grad[bag_of[i] * dim + j] * weights[i];
+        he_ids view = {ids, count, 1};
+        he_dedup *d = NULL;
+        CHECK_ST(he_dedup_build(&view, rows, &d), HE_OK);
+        for (int scale = 0; scale < 2; scale++)
+            for (int threads = 1; threads <= 3; threads += 2) {
+                set_threads(threads);
+                he_reduce_opts plain = {5, scale}, pooled = {5, scale, bag_of, weights, bags};
+                float *want, *got;
+                int64_t *want_idx, *got_idx, want_n, got_n;
+                CHECK_ST(reduce_once(d, expanded, dim, plain, d->num_unique, &want, &want_idx, &want_n), HE_OK);
+                CHECK_ST(reduce_once(d, grad, dim, pooled, d->num_unique, &got, &got_idx, &got_n), HE_OK);
+                CHECKF(got_n == want_n && memcmp(got_idx, want_idx, (size_t)want_n * sizeof *got_idx) == 0 &&
+                           memcmp(got, want, (size_t)(want_n * dim) * sizeof *got) == 0,
+                       "dim %" PRId64 ", scale %d, %d threads: pooled sums differ from expanded ones", dim, scale,
+                       threads);
+                free(want);
+                free(want_idx);
+                free(got);
+                free(got_idx);
+            }
+        /* Fused Adam from the pooled gradient == reduce then update. */
+        const he_optim_rule *rule = he_optim_rule_of(HE_OPTIM_ADAM);
+        float *mem[2][3];
+        he_table t[2][3];
+        for (int c = 0; c < 2; c++)
+            for (int i = 0; i < 3; i++) {
+                mem[c][i] = xmalloc((size_t)(rows * dim) * sizeof(float));
+                g_rng = 9 + (uint64_t)i;
+                fill_uniform(mem[c][i], rows * dim, i ? 0.0 : -1.0, 1.0);
+                t[c][i] = he_table_contiguous(mem[c][i], (size_t)(rows * dim) * sizeof(float), rows, dim);
+            }
+        he_optim_params hp = {.kind = HE_OPTIM_ADAM, .lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-6,
+                              .step = 3};
+        he_reduce_opts pooled = {5, 1, bag_of, weights, bags};
+        CHECK_ST(he_sparse_update_fused(d, grad, &pooled, &hp, &t[0][0], &t[0][1], rule->num_state), HE_OK);
+        float *values = xmalloc((size_t)(d->num_unique * dim) * sizeof *values);
+        int64_t *indices = xmalloc((size_t)d->num_unique * sizeof *indices), nnz = 0;
+        CHECK_ST(he_grad_reduce(d, grad, dim, &pooled, values, indices, &nnz), HE_OK);
+        CHECK_ST(he_sparse_update(&hp, &t[1][0], &t[1][1], rule->num_state, indices, values, nnz), HE_OK);
+        for (int i = 0; i < 3; i++)
+            CHECKF(memcmp(mem[0][i], mem[1][i], t[0][i].nbytes) == 0,
+                   "dim %" PRId64 ": table %d differs between fused and unfused pooled updates", dim, i);
+        /* A bag index out of range: refused, nothing written. */
+        bag_of[count / 2] = bags;
+        float sentinel = values[0];
+        CHECK_ST(he_grad_reduce(d, grad, dim, &pooled, values, indices, &nnz), HE_ERR_INDEX);
+        CHECK_MSG("is not in [0, 150)");
+        CHECK(values[0] == sentinel);
+        CHECK_ST(he_sparse_update_fused(d, grad, &pooled, &hp, &t[0][0], &t[0][1], rule->num_state),
+                 HE_ERR_INDEX);
+        for (int i = 0; i < 3; i++)
+            CHECK(memcmp(mem[0][i], mem[1][i], t[0][i].nbytes) == 0);
+        for (int c = 0; c < 2; c++)
+            for (int i = 0; i < 3; i++)
+                free(mem[c][i]);
+        free(values);
+        free(indices);
+        he_dedup_free(d);
+        free(ids);
+        free(bag_of);
+        free(weights);
+        free(grad);
+        free(expanded);
+    }
+    set_threads(1);
+    group_end("grad_reduce_pooled");
+}
+
 static void test_scratch(void)
 {
     group_begin();
@@ -2087,6 +2181,7 @@ int main(void)
     test_sparse_adam();
     test_sparse_adam_fused();
     test_sparse_update_every_optimizer();
+    test_grad_reduce_pooled();
     test_scratch();
     test_negative_shapes();
     test_table_bounds();

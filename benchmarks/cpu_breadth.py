@@ -1,0 +1,178 @@
+"""The sparse optimizers and EmbeddingBag on the CPU: hostembed against torch, on the same ids.
+
+Each group is built from one seed, checked (hostembed's weights after the
+warm-up steps must match torch's), then timed in interleaved rounds, the
+order rotated each round, and freed before the next group:
+  * optimizer groups: hostembed.Embedding + hostembed.<Opt> against
+    torch.nn.Embedding(sparse=True) + torch.optim.<Opt> (SGD, Adagrad), and
+    hostembed.RowWiseAdagrad (torch has none); every group also times
+    hostembed.SparseAdam in the same rounds, the yardstick each optimizer
+    is held to;
+  * the bag group: hostembed.EmbeddingBag against torch.nn.EmbeddingBag
+    (sparse=True), both with SparseAdam, on the same ids in bags.
+A step is forward -> backward(fixed gradient) -> step() -> zero_grad().
+State bytes are the optimizer state's tensors as allocated.
+
+Usage (after `pip install .`): python benchmarks/cpu_breadth.py [--rows 1000000 ...]
+"""
+import argparse
+import gc
+import os
+import time
+
+import torch
+
+from _common import (RESULTS_DIR, OtherLoad, fail, fmt_ms, log, machine_info, require_hostembed, summarize_ms,
+                     usable_cpus, write_json, zipf_batches)
+
+hostembed = require_hostembed()
+
+YARDSTICK = "hostembed SparseAdam"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--rows", type=int, default=1_000_000, help="table rows N")
+    p.add_argument("--dim", type=int, default=128, help="embedding dim D")
+    p.add_argument("--batch", type=int, default=65_536, help="ids per batch B")
+    p.add_argument("--bag", type=int, default=16, help="ids per bag in the bag group")
+    p.add_argument("--alpha", type=float, default=1.15, help="Zipf exponent of the ids")
+    p.add_argument("--steps", type=int, default=15, help="timed rounds per group")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (the first allocates the state)")
+    p.add_argument("--threads", type=int, default=usable_cpus(), help="torch and hostembed threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=os.path.join(RESULTS_DIR, "cpu_breadth.json"))
+    args = p.parse_args(argv)
+    if min(args.rows, args.dim, args.batch, args.bag, args.steps, args.warmup, args.threads) < 1:
+        p.error("every size must be >= 1")
+    if args.batch % args.bag:
+        p.error("--batch must be a multiple of --bag")
+    return args
+
+
+# --- contenders: (module, optimizer) makers, each built after the same seed
+
+def host(opt_cls, **hyper):
+    def make(args):
+        emb = hostembed.Embedding(args.rows, args.dim)
+        return emb, opt_cls(emb.parameters(), **hyper)
+    return make
+
+
+def torch_sparse(opt_cls, **hyper):
+    def make(args):
+        emb = torch.nn.Embedding(args.rows, args.dim, sparse=True)
+        return emb, opt_cls(emb.parameters(), **hyper)
+    return make
+
+
+def bag(cls):
+    def make(args):
+        module = cls(args.rows, args.dim, mode="sum", sparse=True)
+        opt_cls = hostembed.SparseAdam if cls is hostembed.EmbeddingBag else torch.optim.SparseAdam
+        return module, opt_cls(module.parameters(), lr=1e-3)
+    return make
+
+
+def groups():
+    """{group: ({contender: make}, the contender checked against, its
+    torch twin or None, bags?)}."""
+    adam = host(hostembed.SparseAdam, lr=1e-3)
+    return {
+        "SGD": ({"hostembed SGD": host(hostembed.SGD, lr=0.01),
+                 "torch SGD": torch_sparse(torch.optim.SGD, lr=0.01), YARDSTICK: adam},
+                "hostembed SGD", "torch SGD", False),
+        "Adagrad": ({"hostembed Adagrad": host(hostembed.Adagrad, lr=0.01),
+                     "torch Adagrad": torch_sparse(torch.optim.Adagrad, lr=0.01), YARDSTICK: adam},
+                    "hostembed Adagrad", "torch Adagrad", False),
+        "RowWiseAdagrad": ({"hostembed RowWiseAdagrad": host(hostembed.RowWiseAdagrad, lr=0.01),
+                            YARDSTICK: adam}, None, None, False),
+        "SparseAdam": ({YARDSTICK: adam, "torch SparseAdam": torch_sparse(torch.optim.SparseAdam, lr=1e-3)},
+                       YARDSTICK, "torch SparseAdam", False),
+        "EmbeddingBag(sum)": ({"hostembed EmbeddingBag + SparseAdam": bag(hostembed.EmbeddingBag),
+                               "torch EmbeddingBag + SparseAdam": bag(torch.nn.EmbeddingBag)},
+                              "hostembed EmbeddingBag + SparseAdam", "torch EmbeddingBag + SparseAdam", True),
+    }
+
+
+def state_bytes(opt):
+    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def step(module, opt, ids, grad_out):
+    t0 = time.perf_counter()
+    module(ids).backward(grad_out)
+    opt.step()
+    opt.zero_grad()
+    return time.perf_counter() - t0
+
+
+def run_group(args, name, spec, batches):
+    makes, checked, twin, bags = spec
+    shape = (args.batch // args.bag, args.bag) if bags else (args.batch,)
+    inputs = [ids.view(shape) for ids in batches]
+    grad_out = torch.randn(shape[0], args.dim, generator=torch.Generator().manual_seed(args.seed + 1))
+    built = {}
+    for contender, make in makes.items():
+        torch.manual_seed(args.seed)
+        built[contender] = make(args)
+    warm, timed = inputs[:args.warmup], inputs[args.warmup:args.warmup + args.steps]
+    for ids in warm:
+        for module, opt in built.values():
+            step(module, opt, ids, grad_out)
+    if checked is not None:
+        ours, theirs = built[checked][0].weight.detach(), built[twin][0].weight.detach()
+        if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5):
+            fail(f"{name}: after {len(warm)} steps hostembed's weights differ from torch's by "
+                 f"{(ours - theirs).abs().max().item():.3g}; not timing a wrong result")
+    other_load = OtherLoad()
+    names = list(built)
+    seconds = {n: [] for n in names}
+    for i, ids in enumerate(timed):
+        for n in names[i % len(names):] + names[:i % len(names)]:
+            seconds[n].append(step(*built[n], ids, grad_out))
+    contenders = {}
+    for n in names:
+        contenders[n] = summarize_ms(seconds[n])
+        contenders[n]["state_bytes"] = state_bytes(built[n][1])
+    del built
+    gc.collect()
+    return {"contenders": contenders, "checked": checked, "torch": twin,
+            "cpu_fraction_used_by_others": other_load.fraction()}
+
+
+def print_report(args, report):
+    print(f"\nN={args.rows:,} x D={args.dim}, B={args.batch:,} Zipf({args.alpha}) ids, {args.threads} threads; "
+          f"bags of {args.bag}; median of {args.steps} interleaved rounds")
+    print(f"{'group':<20} {'contender':<36} {'ms/step':>9} {'vs torch':>9} {'vs SparseAdam':>14} {'state':>10}")
+    for group, result in report["groups"].items():
+        contenders = result["contenders"]
+        torch_ms = contenders[result["torch"]]["median_ms"] if result["torch"] else None
+        yard = contenders.get(YARDSTICK, {}).get("median_ms")
+        for n, r in contenders.items():
+            ms = r["median_ms"]
+            vs_torch = f"{torch_ms / ms:.2f}x" if torch_ms and n == result["checked"] else ""
+            vs_yard = f"{yard / ms:.2f}x" if yard and n.startswith("hostembed") and n != YARDSTICK else ""
+            print(f"{group:<20} {n:<36} {fmt_ms(ms):>9} {vs_torch:>9} {vs_yard:>14} "
+                  f"{r['state_bytes'] / 2**20:>8.1f} MiB")
+        others = result["cpu_fraction_used_by_others"]
+        print(f"{'':<20} (other processes: {'unknown' if others is None else f'{others:.0%}'} of the CPUs)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    hostembed.set_num_threads(args.threads)
+    batches = zipf_batches(args.rows, args.batch, args.alpha, args.warmup + args.steps, args.seed)
+    report = {"machine": machine_info(threads=args.threads), "args": vars(args), "groups": {}}
+    for name, spec in groups().items():
+        log(f"{name}: building, {args.warmup} warm-up steps, check, {args.steps} timed rounds")
+        report["groups"][name] = run_group(args, name, spec, batches)
+    print_report(args, report)
+    write_json(args.json, report)
+
+
+if __name__ == "__main__":
+    main()

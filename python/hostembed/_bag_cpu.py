@@ -1,0 +1,105 @@
+"""The eager CPU path of hostembed.EmbeddingBag in "sum" and "mean" modes.
+
+Forward: the core sorts the ids once (the Dedup), reads each distinct row
+once, and torch's embedding_bag pools those rows (so outputs are torch's,
+bit for bit). Backward: each position's gradient is its bag's output
+gradient times its weight (per_sample_weights, or 1 / the bag's size for a
+mean, 0 outside every bag); the core sums those per id with the forward's
+sort, reading each bag's gradient row where the position points
+(he_reduce_opts.bag_of), so no per-position copy is made: one reduce
+straight into the table's row-sparse gradient, or into the fused update.
+(torch's own embedding_bag backward into the rows alone took 14.6 ms for
+65,536 ids x 128 on 2 cores.)
+
+"max" mode, torch.compile and GPU outputs go through the general path in
+embedding_bag.py (the Embedding lookup of the unique ids, then
+embedding_bag with its autograd).
+"""
+import torch
+import torch.nn.functional as F
+
+from . import _fused, _ops
+
+
+class PooledLookup(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, weight, ids, offsets, per_sample_weights, mode, include_last_offset, padding_idx, max_norm,
+                norm_type, scale_grad_by_freq, sparse):
+        num_rows = weight.shape[0]
+        dedup, unique, inverse = _ops.dedup_ids(ids, num_rows)
+        rows, _, table = _ops._lookup_rows(weight, unique, max_norm, norm_type)
+        out = F.embedding_bag(inverse, rows, offsets, mode=mode, per_sample_weights=per_sample_weights,
+                              include_last_offset=include_last_offset, padding_idx=padding_row(unique, padding_idx))
+        ctx.table, ctx.dedup, ctx.table_shape = table, dedup, tuple(weight.shape)
+        ctx.spec = (mode, include_last_offset, padding_idx, scale_grad_by_freq, sparse)
+        ctx.save_for_backward(ids, offsets, per_sample_weights, inverse, rows)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ids, offsets, per_sample_weights, inverse, rows = ctx.saved_tensors
+        mode, include_last_offset, padding_idx, scale_grad_by_freq, sparse = ctx.spec
+        num_rows, dim = ctx.table_shape
+        bag_of, row_weights = position_weights(ids, offsets, per_sample_weights, mode, include_last_offset,
+                                               padding_idx)
+        grad_out = grad_out.contiguous()
+        if grad_out.shape[0] == 0:  # no bags: every position's gradient is 0
+            grad_out = grad_out.new_zeros(1, dim)
+        weights_grad = None
+        if ctx.needs_input_grad[3]:
+            # d out[b] / d w[p] = <grad_out[b], row of ids[p]>: 0 outside
+            # every bag and at padding, as torch gives.
+            keep = position_weights(ids, offsets, None, "sum", include_last_offset, padding_idx)[1]
+            weights_grad = (grad_out.index_select(0, bag_of) * rows.index_select(0, inverse)).sum(1)
+            if keep is not None:
+                weights_grad.mul_(keep)
+        grad = None
+        if ctx.needs_input_grad[0]:
+            table, pooling = ctx.table, _fused.Pooling(bag_of, row_weights)
+            if not (table.fused and _fused.take_gradient(table, _fused.CpuGradient(
+                    ids, grad_out, padding_idx, scale_grad_by_freq, ctx.dedup, pooling))):
+                indices, values = _ops._reduce_rows(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq,
+                                                    ctx.dedup, pooling)
+                grad = _ops.weight_grad(indices, values, num_rows, dim, sparse)
+        return (grad, None, None, weights_grad) + (None,) * 7
+
+
+def padding_row(unique, padding_idx):
+    """Where padding_idx (-1: none) is among the sorted unique ids, or None."""
+    if padding_idx < 0 or unique.numel() == 0:
+        return None
+    at = int(torch.searchsorted(unique, padding_idx))
+    return at if at < unique.numel() and int(unique[at]) == padding_idx else None
+
+
+def position_weights(ids, offsets, per_sample_weights, mode, include_last_offset, padding_idx):
+    """(bag_of, row_weights): each position's bag, and the factor of its
+    gradient (None: all 1). Positions in no bag (after the last one, with
+    include_last_offset; every position when there are no bags) get bag 0
+    and factor 0; padding positions get 0 (the reduce leaves padding_idx out
+    anyway) and do not count in a mean."""
+    count = ids.numel()
+    starts = offsets[:-1] if include_last_offset else offsets
+    if starts.numel() == 0:
+        return torch.zeros(count, dtype=torch.int64), torch.zeros(count)
+    ends = offsets[1:] if include_last_offset else torch.cat([offsets[1:], offsets.new_tensor([count])])
+    bag_of = torch.repeat_interleave(torch.arange(starts.numel()), (ends - starts).to(torch.int64))
+    covered = bag_of.numel()
+    in_bag = None
+    if covered < count:
+        bag_of = torch.cat([bag_of, bag_of.new_zeros(count - covered)])
+        in_bag = torch.zeros(count)
+        in_bag[:covered] = 1
+    if padding_idx >= 0:
+        not_padding = (ids != padding_idx).to(torch.float32)
+        in_bag = not_padding if in_bag is None else in_bag * not_padding
+    if per_sample_weights is not None:
+        weights = per_sample_weights if in_bag is None else per_sample_weights * in_bag
+    elif mode == "mean":
+        counted = torch.ones(count) if in_bag is None else in_bag
+        size = torch.zeros(starts.numel()).index_add_(0, bag_of, counted)
+        weights = counted / size.clamp_(min=1).index_select(0, bag_of)
+    else:
+        weights = in_bag
+    return bag_of, None if weights is None else weights.contiguous()

@@ -1,0 +1,94 @@
+"""EmbeddingBag's input: the forms torch.nn.EmbeddingBag takes, checked and
+brought to one (flat ids, offsets, per-sample weights) before any row is
+read or renormed, so a refused input changes nothing."""
+import torch
+
+from ._ids import check_ids
+
+MODES = ("sum", "mean", "max")
+WHO = "hostembed.EmbeddingBag"
+
+
+def check_options(mode, scale_grad_by_freq):
+    """torch's own checks of the options, with its exception types and words."""
+    if mode not in MODES:
+        raise ValueError("mode has to be one of sum, mean or max")
+    if mode == "max" and scale_grad_by_freq:
+        raise ValueError("max mode does not support scaling the gradient by the frequency")
+
+
+def flatten(input, offsets, per_sample_weights, mode, include_last_offset):
+    """(ids [n], offsets [bags or bags + 1], per_sample_weights [n] or None,
+    include_last_offset) from any input form torch's EmbeddingBag takes.
+    Raises as torch does (ValueError, NotImplementedError, RuntimeError),
+    and also where torch reads out of bounds or says nothing useful
+    (offsets that decrease, ids that are not int32/int64)."""
+    check_ids(input, WHO, "input")
+    if per_sample_weights is not None and input.size() != per_sample_weights.size():
+        raise ValueError(
+            f"embedding_bag: If per_sample_weights ({per_sample_weights.shape}) is not None, "
+            f"then it must have the same shape as the input ({input.shape})"
+        )
+    if input.dim() == 2 and input.is_nested:
+        include_last_offset = True
+        offsets = input.offsets()
+        input = input.values().reshape(-1)
+        if per_sample_weights is not None:
+            if not per_sample_weights.is_nested:
+                raise ValueError("If input is nested, then per_sample_weights must be nested if specified")
+            per_sample_weights = per_sample_weights.values().reshape(-1)
+    elif input.dim() == 2:
+        if offsets is not None:
+            raise ValueError(
+                "if input is 2D, then offsets has to be None, as input is treated is a mini-batch of fixed "
+                f"length sequences. However, found offsets of type {type(offsets)}"
+            )
+        bags, length = input.shape
+        # torch.arange refuses step 0 (bags of length 0): every bag starts at 0.
+        offsets = (torch.arange(0, bags * length, max(length, 1), dtype=input.dtype, device=input.device)
+                   if length else torch.zeros(bags, dtype=input.dtype, device=input.device))
+        include_last_offset = False
+        input = input.reshape(-1)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.reshape(-1)
+    elif input.dim() == 1:
+        if offsets is None:
+            raise ValueError("offsets has to be a 1D Tensor but got None")
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1:
+            raise ValueError("offsets has to be a 1D Tensor")
+    else:
+        raise ValueError(f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}")
+    check_options(mode, False)
+    if per_sample_weights is not None and mode != "sum":
+        raise NotImplementedError(
+            "embedding_bag: per_sample_weights was not None. per_sample_weights is only supported for "
+            f"mode='sum' (got mode='{mode}'). Please open a feature request on GitHub."
+        )
+    check_ids(offsets, WHO, "offsets")
+    _check_offsets(offsets, input.numel(), include_last_offset)
+    if per_sample_weights is not None and per_sample_weights.dtype != torch.float32:
+        raise RuntimeError(f"{WHO}: per_sample_weights must have the table's dtype torch.float32, got "
+                           f"{per_sample_weights.dtype}")
+    return input, offsets, per_sample_weights, include_last_offset
+
+
+def _check_offsets(offsets, count, include_last_offset):
+    """Each bag is a range of the ids: offsets start at 0, never decrease and
+    end within the ids. One host read of a bool for offsets on a GPU."""
+    if offsets.numel() == 0:
+        if include_last_offset:
+            raise RuntimeError("include_last_offset: number of offset should be at least 1")
+        return
+    first, last = offsets[0], offsets[-1]
+    decreasing = offsets[1:] < offsets[:-1]
+    if not bool((first != 0) | (last > count) | decreasing.any()):
+        return
+    if int(first) != 0:
+        raise RuntimeError("offsets[0] has to be 0, i.e., the first sequence in the mini-batch has to start "
+                           f"from position 0. However, got {int(first)}")
+    if decreasing.any():
+        at = int(decreasing.nonzero()[0]) + 1
+        raise RuntimeError(f"{WHO}: offsets must not decrease (each bag is a range of the input), but "
+                           f"offsets[{at}] = {int(offsets[at])} < offsets[{at - 1}] = {int(offsets[at - 1])}")
+    raise RuntimeError(f"offsets[-1] can not be greater than input's length {count} but got offsets[-1] of "
+                       f"{int(last)}")

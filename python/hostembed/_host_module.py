@@ -1,0 +1,267 @@
+"""What hostembed.Embedding and hostembed.EmbeddingBag share: the host
+table behind the weight, the output device, and the module protocol (weight
+replacement, copies, pickling, casts, state_dict) done on the table."""
+import copy
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from . import _validate
+from ._cuda import require_cuda, resolve_device, unavailable_reason
+from ._files import FileRows, open_table
+from ._stream import copy_rows, read_rows
+from ._table import HostTable
+
+# _weight value that leaves a new table zeroed instead of drawing N(0, 1):
+# for tables about to be filled from a file or another module.
+_UNINITIALISED = object()
+
+
+def padding_index(padding_idx, num_embeddings):
+    """padding_idx checked and made non-negative, with torch's own
+    AssertionErrors."""
+    if padding_idx is not None:
+        if padding_idx > 0:
+            assert padding_idx < num_embeddings, "Padding_idx must be within num_embeddings"
+        elif padding_idx < 0:
+            assert padding_idx >= -num_embeddings, "Padding_idx must be within num_embeddings"
+            padding_idx = num_embeddings + padding_idx
+    return padding_idx
+
+
+def pretrained_source(embeddings, key):
+    """The rows from_pretrained loads: a 2-D tensor, or a file's rows."""
+    if isinstance(embeddings, torch.Tensor):
+        if key is not None:
+            raise ValueError("from_pretrained: key= applies to files, not to a tensor")
+        assert embeddings.dim() == 2, "Embeddings parameter is expected to be 2-dimensional"
+        return embeddings
+    if isinstance(embeddings, (str, os.PathLike)):
+        return open_table(embeddings, key)
+    raise TypeError(
+        "from_pretrained expects a 2-D tensor or a path (str or os.PathLike), got "
+        f"{type(embeddings).__name__}"
+    )
+
+
+class HostTableModule:
+    """Mixin before nn.Embedding / nn.EmbeddingBag in the bases: every
+    method that touches the weight goes to the host table."""
+
+    def _init_table(self, num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype):
+        name = self._get_name()
+        if dtype is not None and dtype != torch.float32:
+            raise TypeError(f"{name} keeps float32 tables; dtype={dtype} is not supported")
+        if num_embeddings < 0 or embedding_dim < 0:
+            raise ValueError(
+                f"num_embeddings and embedding_dim must be >= 0, got {num_embeddings} and {embedding_dim}"
+            )
+        if _weight is not None and _weight is not _UNINITIALISED:
+            assert list(_weight.shape) == [num_embeddings, embedding_dim], (
+                "Shape of weight does not match num_embeddings and embedding_dim"
+            )
+        if not sparse:
+            warnings.warn(
+                f"{name}(sparse=False): every backward builds a dense gradient as large as the "
+                f"whole table ({num_embeddings * embedding_dim * 4} bytes); use sparse=True with "
+                "hostembed.SparseAdam unless you need a dense optimizer",
+                stacklevel=3,
+            )
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.sparse = sparse
+        self._output_device = torch.device("cpu") if device is None else torch.device(device)
+        if self._output_device.type == "cuda":
+            require_cuda(f"{name}(device={str(self._output_device)!r})")
+
+        self._table = HostTable(num_embeddings, embedding_dim, first_touch=True)
+        self.weight = nn.Parameter(self._table.tensor, requires_grad=not _freeze)
+        self._table.bind(self.weight)
+        # "gpu" or "cpu": which path the last forward took (tests assert the
+        # GPU kernels ran, not the CPU fallback).
+        self._last_lookup_path = None
+        if _weight is None:
+            self.reset_parameters()  # torch's: the same draws as torch for the same seed
+        elif _weight is not _UNINITIALISED:
+            copy_rows(self.weight.data, _weight)
+
+    def _fill_from(self, source, progress):
+        """Copies from_pretrained's source (pretrained_source) into the table."""
+        if isinstance(source, FileRows):
+            read_rows(source, self.weight.data, progress=progress)
+        else:
+            copy_rows(self.weight.data, source.detach(), progress=progress)
+
+    @property
+    def output_device(self) -> torch.device:
+        """Where forward's outputs land (the table itself stays in host memory)."""
+        return self._output_device
+
+    def _prepare_weight(self) -> None:
+        """Checks that the weight still is the table's memory, and pins the
+        table on its first GPU lookup (warning and falling back to the CPU
+        path if CUDA refuses)."""
+        table = self._table
+        table.check_process()
+        weight = self._parameters["weight"]
+        if not table.views(weight):
+            self._adopt(weight)
+        if self._output_device.type == "cuda" and table.register_refused is None:
+            table.device_address(weight, resolve_device(self._output_device))
+
+    def _adopt(self, weight) -> None:
+        """`emb.weight.data = t` or `emb.weight = Parameter(t)` replaced the
+        table's memory with another tensor: copy its values into the table
+        (converting dtype, device and strides) and point the weight back at
+        the table, or refuse what cannot be a table's values. The weight
+        then no longer aliases t (torch's would)."""
+        table = self._table
+        new = weight.data
+        if new.layout != torch.strided or not new.is_floating_point() or new.dim() != 2 \
+                or tuple(new.shape) != (table.num_rows, table.dim):
+            raise RuntimeError(
+                f"{self._get_name()}: the weight was replaced by a {list(new.shape)} {new.dtype} tensor"
+                f"{'' if new.layout == torch.strided else f' ({new.layout})'}; a host table keeps its shape "
+                f"[{table.num_rows}, {table.dim}] and floating-point values. Build a new module for another "
+                "shape (from_pretrained)"
+            )
+        table.wait_for_gpu_use()
+        table.rows_changed(None)
+        copy_rows(table.tensor, new.detach())
+        weight.data = table.tensor
+        table.bind(weight)
+
+    def __getattr__(self, name):
+        # In a forked child (a DataLoader worker) the table's memory is not
+        # there: say so rather than hand out a weight that cannot be read.
+        if name == "weight" and not torch.compiler.is_compiling():
+            table = self.__dict__.get("_table")
+            if table is not None:
+                table.check_process()
+        return super().__getattr__(name)
+
+    def __deepcopy__(self, memo):
+        # A copy gets its own host table with the same rows (a plain
+        # deepcopy would clone the weight into an ordinary tensor and copy
+        # the table's memory objects, which cannot be copied).
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        weight = self._parameters["weight"]
+        self._table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
+        for key, value in self.__dict__.items():
+            if key not in ("_table", "_parameters"):
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        table = HostTable(self._table.num_rows, self._table.dim, first_touch=True)
+        copy_rows(table.tensor, weight.detach())
+        param = nn.Parameter(table.tensor, requires_grad=weight.requires_grad)
+        memo[id(weight)] = param
+        new.__dict__["_table"] = table
+        new.__dict__["_parameters"] = {"weight": param}
+        table.bind(param)
+        return new
+
+    def __getstate__(self):
+        # Pickling (torch.save(model), spawn-started workers): the weight
+        # goes as a tensor, the table's memory objects do not; unpickling
+        # builds a new table from it.
+        self._table.wait_for_gpu_use()
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state.pop("_table", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        weight = self._parameters["weight"]
+        table = HostTable(*weight.shape, first_touch=True)
+        copy_rows(table.tensor, weight.detach())
+        param = nn.Parameter(table.tensor, requires_grad=weight.requires_grad)
+        self._parameters["weight"] = param
+        self.__dict__["_table"] = table
+        table.bind(param)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to()/.cuda()/.cpu()/.half() arrive here as fn over every tensor.
+        # Moving a 50 GB table to the GPU is exactly what this module exists
+        # to avoid: see where fn would send a tensor and send outputs there.
+        # The probe starts where outputs go now, so that a dtype-only cast
+        # (model.cuda().half()) keeps them there.
+        try:
+            device = fn(torch.empty(0, device=self._output_device)).device
+        except (AssertionError, RuntimeError) as exc:
+            # Only a move to a device torch cannot use fails on an empty
+            # tensor: say why in hostembed's words.
+            reason = unavailable_reason()
+            if reason is None:
+                raise
+            raise RuntimeError(f"hostembed: moving {self._get_name()} outputs to the GPU needs the GPU path, "
+                               f"but {reason}") from exc
+        if device.type == "cuda":
+            require_cuda(f"{self._get_name()} outputs on {device}")
+        self._output_device = device
+        return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # state_dict() aliases the table, and torch.save reads it right
+        # away: a max_norm renorm kernel of the last GPU lookup may still be
+        # writing rows.
+        self._table.wait_for_gpu_use()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # Always copy into the host table (load_state_dict(assign=True)
+        # would otherwise swap it for the caller's tensor), and copy in row
+        # chunks so a torch.load(mmap=True) source is never resident whole:
+        # the chunk copy releases the file's pages as it goes.
+        #
+        # All or nothing for this module: torch's own code first does the
+        # bookkeeping (missing/unexpected keys, shape errors, hooks) against
+        # a source that is the table itself, which copy_ skips; the rows are
+        # copied only if that found nothing wrong, so emb.load_state_dict(sd)
+        # either loads or raises with the table unchanged. (Inside a larger
+        # model, torch's Module.load_state_dict loads module by module and
+        # raises after the last: a bad entry of another module is found
+        # after this one has loaded, as for any torch module. hostembed.load
+        # checks the whole model first.)
+        odd = [k for k in state_dict if not isinstance(k, str)]
+        if odd:  # torch's own loop would raise AttributeError on k.startswith
+            raise TypeError(f"hostembed.Embedding.load_state_dict: state dict keys must be strings, found "
+                            f"{', '.join(f'{k!r} ({type(k).__name__})' for k in odd[:5])}")
+        key = prefix + "weight"
+        source = state_dict.get(key)
+        table = self.weight.detach()
+        copy_from = None
+        if isinstance(source, torch.Tensor) and not _validate.same_memory(source, table):
+            problem = _validate.tensor_problem(source, table, key)
+            if problem is None:
+                # A view of the table itself (its transpose, say) is read
+                # whole before the rows it reads are overwritten.
+                copy_from = source.detach().clone() if _validate.shares_memory(source, table) else source
+            elif not problem.startswith(f"'{key}' has shape"):
+                # torch would report a shape mismatch itself (and copy
+                # nothing); anything else it might copy, or fail part way.
+                error_msgs.append(f"While loading {key!r} into a hostembed table: {problem}")
+            if copy_from is not None or not problem.startswith(f"'{key}' has shape"):
+                state_dict = dict(state_dict)
+                state_dict[key] = table
+        local_metadata = dict(local_metadata, assign_to_params_buffers=False)
+        errors, unexpected = len(error_msgs), len(unexpected_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        # torch's load_state_dict passes strict=True to every module and
+        # applies its own `strict` to the unexpected keys afterwards.
+        top_strict = _validate.strict_of_running_load()
+        refused = len(error_msgs) > errors or (
+            (strict if top_strict is None else top_strict) and len(unexpected_keys) > unexpected)
+        if copy_from is not None and not refused:
+            self._table.wait_for_gpu_use()  # no kernel may still read the rows about to change
+            self._table.rows_changed(None)
+            copy_rows(self.weight.data, copy_from.detach(), desc=f"loading {key}")
+
+    def extra_repr(self) -> str:
+        # torch's options, then where the table and the outputs are.
+        return f"{super().extra_repr()}, table in host memory, outputs on {self._output_device}"
+

@@ -1,0 +1,113 @@
+"""hostembed.EmbeddingBag: torch.nn.EmbeddingBag with the table in host memory."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _bag_cpu, _bags, _lookup_cpu, _lookup_gpu, _ops
+from ._host_module import _UNINITIALISED, HostTableModule, padding_index, pretrained_source
+from ._ids import prepare_ids
+from ._lookup_cpu import _max_norm
+
+
+class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
+    r"""A drop-in for :class:`torch.nn.EmbeddingBag` whose table lives in host memory.
+
+    Same signature and semantics as ``torch.nn.EmbeddingBag``: modes
+    ``"sum"``, ``"mean"`` and ``"max"``; 2-D input (fixed-length bags), 1-D
+    input with ``offsets`` (and ``include_last_offset``), or a nested
+    tensor; ``per_sample_weights`` (sum mode); ``padding_idx`` left out of
+    the pooling (and of a mean's count); empty bags give zeros;
+    ``max_norm``; ``scale_grad_by_freq`` (not with max, as torch).
+
+    How a batch runs: the core sorts the ids once and reads each distinct
+    row once (the lookup of hostembed.Embedding, on the unique ids: range
+    check, max_norm, GPU or CPU path); torch's own embedding_bag then pools
+    those rows on the output device, so pooling, its order and its
+    gradients (per_sample_weights' too) are torch's. The table's gradient
+    is row-sparse over the distinct ids, like hostembed.Embedding's, and
+    every hostembed optimizer (fused SparseAdam too) trains it.
+
+    Differences from torch, as for hostembed.Embedding: ``sparse=True`` by
+    default (and allowed with mode ``"max"``, which torch refuses); the
+    table stays in host memory and ``device`` / ``.to()`` move the outputs;
+    the table is float32; an input with offsets that decrease raises
+    RuntimeError (torch may read out of bounds).
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                 mode="mean", sparse=True, _weight=None, include_last_offset=False, padding_idx=None,
+                 device=None, dtype=None, *, _freeze=False):
+        # nn.Module's, not nn.EmbeddingBag's: that one would allocate a table.
+        nn.Module.__init__(self)
+        _bags.check_options(mode, scale_grad_by_freq)
+        self.padding_idx = padding_index(padding_idx, num_embeddings)
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = scale_grad_by_freq
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+        self._init_table(num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype)
+
+    def forward(self, input, offsets=None, per_sample_weights=None):
+        _bags.check_options(self.mode, self.scale_grad_by_freq)
+        ids, offsets, per_sample_weights, include_last_offset = _bags.flatten(
+            input, offsets, per_sample_weights, self.mode, self.include_last_offset)
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            self._prepare_weight()
+        gpu = self._output_device.type == "cuda" and self._table.register_refused is None
+        padding_idx = -1 if self.padding_idx is None else self.padding_idx
+        if not gpu and not compiling and self.mode != "max":
+            out = _bag_cpu.PooledLookup.apply(
+                self.weight, prepare_ids(ids, _bags.WHO), offsets.to("cpu"),
+                None if per_sample_weights is None else per_sample_weights.to("cpu"), self.mode,
+                include_last_offset, padding_idx, _max_norm(self), float(self.norm_type), self.scale_grad_by_freq,
+                self.sparse)
+            self._last_lookup_path = "cpu"
+            return out.to(self._output_device)
+        unique, inverse = self._unique(ids, gpu, compiling)
+        # Each distinct row once, renormed (max_norm) and range-checked by
+        # the lookup; its backward sums the rows' gradients into the table's.
+        rows = (_lookup_gpu if gpu else _lookup_cpu).lookup(self, unique, scale_grad_by_freq=False)
+        if not compiling:
+            self._last_lookup_path = "gpu" if gpu else "cpu"
+        device = rows.device
+        inverse = inverse.to(device)
+        if self.scale_grad_by_freq and rows.requires_grad:
+            # Each row's gradient over its id's count in the batch. (Not
+            # embedding_bag's own flag: torch 2.13's CPU kernel divides some
+            # rows by another id's count, pytorch/pytorch#190063.)
+            counts = torch.bincount(inverse, minlength=unique.numel()).clamp_(min=1).to(rows.dtype)
+            rows.register_hook(lambda grad: grad / counts.unsqueeze(1))
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.to(device)
+        return F.embedding_bag(inverse, rows, offsets.to(device), mode=self.mode, sparse=False,
+                               per_sample_weights=per_sample_weights,
+                               include_last_offset=include_last_offset,
+                               padding_idx=_bag_cpu.padding_row(unique, padding_idx))
+
+    def _unique(self, ids, gpu, compiling):
+        """(unique ids, inverse): by the core's sort for CPU ids, by torch's
+        on the GPU for GPU ids (the lookup range-checks them)."""
+        if gpu and ids.device.type == "cuda":
+            return torch.unique(ids, return_inverse=True)
+        unique_ids = _ops.unique_ids.op if compiling else _ops.unique_ids
+        return unique_ids(ids.to("cpu"), self.num_embeddings)
+
+    def _get_name(self):
+        return "hostembed.EmbeddingBag"
+
+    @classmethod
+    def from_pretrained(cls, embeddings, freeze=True, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                        mode="mean", sparse=True, include_last_offset=False, padding_idx=None, *, key=None,
+                        progress=None):
+        """A new host table holding the rows of `embeddings`: torch's
+        signature, and a tensor or a file as in
+        :meth:`hostembed.Embedding.from_pretrained`."""
+        source = pretrained_source(embeddings, key)
+        rows, cols = source.shape
+        bag = cls(num_embeddings=rows, embedding_dim=cols, _weight=_UNINITIALISED, _freeze=freeze,
+                  max_norm=max_norm, norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq, mode=mode,
+                  sparse=sparse, include_last_offset=include_last_offset, padding_idx=padding_idx)
+        bag._fill_from(source, progress)
+        return bag

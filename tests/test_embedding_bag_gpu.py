@@ -1,0 +1,83 @@
+"""hostembed.EmbeddingBag with GPU outputs against torch.nn.EmbeddingBag on
+the GPU. Skipped with the reason where the GPU path cannot run; each test
+asserts the lookup ran the GPU kernels (test_gpu.assert_kernel_path), so a
+CPU fallback cannot pass it."""
+import pytest
+import torch
+from torch import nn
+
+import hostembed
+from hostembed import _cuda
+from conftest import zipf_ids
+from test_gpu import assert_kernel_path
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not hostembed.cuda_available(), reason=f"GPU path unavailable: {_cuda.unavailable_reason()}"),
+    pytest.mark.filterwarnings("error::RuntimeWarning"),
+]
+
+NUM_ROWS, DIM = 500, 24
+
+
+def gpu_bag_pair(mode, **kwargs):
+    torch.manual_seed(0)
+    ref = nn.EmbeddingBag(NUM_ROWS, DIM, mode=mode, **kwargs).cuda()
+    torch.manual_seed(0)
+    ours = hostembed.EmbeddingBag(NUM_ROWS, DIM, mode=mode, device="cuda", **kwargs)
+    return ref, ours
+
+
+def batch(ids_device, weighted, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = zipf_ids(NUM_ROWS, 300, generator=gen)
+    ids[::11] = 3  # the padding id
+    offsets = torch.tensor([0, 0, 40, 41, 41, 200, 300])
+    weights = torch.randn(300, generator=gen).cuda() if weighted else None
+    return ids.to(ids_device), offsets.to(ids_device), weights
+
+
+@pytest.mark.parametrize("ids_device", ["cpu", "cuda"])
+@pytest.mark.parametrize("mode,weighted", [("sum", False), ("sum", True), ("mean", False), ("max", False)])
+def test_matches_torch_on_the_gpu(mode, weighted, ids_device):
+    ref, ours = gpu_bag_pair(mode, padding_idx=3, include_last_offset=True)
+    ids, offsets, weights = batch(ids_device, weighted)
+    out_ref = ref(ids.cuda(), offsets.cuda(), per_sample_weights=weights)
+    out = ours(ids, offsets, per_sample_weights=weights)
+    assert_kernel_path(ours)
+    assert out.device.type == "cuda"
+    torch.testing.assert_close(out, out_ref, rtol=1e-6, atol=1e-6)
+    grad_out = torch.linspace(-1, 1, out.numel(), device="cuda").view(out.shape)
+    out_ref.backward(grad_out)
+    out.backward(grad_out)
+    assert ours.weight.grad.is_sparse
+    torch.testing.assert_close(ours.weight.grad.to_dense(), ref.weight.grad.cpu(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("update", ["gpu", "cpu"])
+def test_trains_like_torch_with_sparse_adam(update):
+    ref, ours = gpu_bag_pair("sum", sparse=True)
+    opt_ref = torch.optim.SparseAdam(ref.parameters(), lr=0.05)
+    opt = hostembed.SparseAdam(ours.parameters(), lr=0.05, update=update)
+    for step in range(10):
+        ids, offsets, weights = batch("cuda", True, seed=step)
+        for module, optimizer in ((ref, opt_ref), (ours, opt)):
+            optimizer.zero_grad()
+            module(ids, offsets, per_sample_weights=weights).sin().sum().backward()
+            optimizer.step()
+        assert_kernel_path(ours, opt if update == "gpu" else None)
+    torch.testing.assert_close(ours.weight, ref.weight.cpu(), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_sparse_adam_on_the_gpu():
+    ref, ours = gpu_bag_pair("mean", sparse=True)
+    opt_ref = torch.optim.SparseAdam(ref.parameters(), lr=0.05)
+    opt = hostembed.SparseAdam(ours.parameters(), lr=0.05, fused=True)
+    for step in range(10):
+        ids, offsets, _ = batch("cuda", False, seed=step)
+        for module, optimizer in ((ref, opt_ref), (ours, opt)):
+            optimizer.zero_grad()
+            module(ids, offsets).sin().sum().backward()
+            optimizer.step()
+        assert_kernel_path(ours)
+    torch.testing.assert_close(ours.weight, ref.weight.cpu(), rtol=1e-5, atol=1e-5)
