@@ -9,7 +9,8 @@ order rotated each round, and freed before the next group:
     hostembed.SparseAdam in the same rounds, the yardstick each optimizer
     is held to;
   * the bag group: hostembed.EmbeddingBag against torch.nn.EmbeddingBag
-    (sparse=True), both with SparseAdam, on the same ids in bags.
+    (sparse=True), both with SparseAdam, on the same ids in bags;
+  * every hostembed optimizer also with fused=True (its update in backward).
 A step is forward -> backward(fixed gradient) -> step() -> zero_grad().
 State bytes are the optimizer state's tensors as allocated.
 
@@ -67,11 +68,12 @@ def torch_sparse(opt_cls, **hyper):
     return make
 
 
-def bag(cls):
+def bag(cls, fused=False):
     def make(args):
         module = cls(args.rows, args.dim, mode="sum", sparse=True)
-        opt_cls = hostembed.SparseAdam if cls is hostembed.EmbeddingBag else torch.optim.SparseAdam
-        return module, opt_cls(module.parameters(), lr=1e-3)
+        if cls is hostembed.EmbeddingBag:
+            return module, hostembed.SparseAdam(module.parameters(), lr=1e-3, fused=fused)
+        return module, torch.optim.SparseAdam(module.parameters(), lr=1e-3)
     return make
 
 
@@ -81,16 +83,23 @@ def groups():
     adam = host(hostembed.SparseAdam, lr=1e-3)
     return {
         "SGD": ({"hostembed SGD": host(hostembed.SGD, lr=0.01),
+                 "hostembed SGD(fused=True)": host(hostembed.SGD, lr=0.01, fused=True),
                  "torch SGD": torch_sparse(torch.optim.SGD, lr=0.01), YARDSTICK: adam},
                 "hostembed SGD", "torch SGD", False),
         "Adagrad": ({"hostembed Adagrad": host(hostembed.Adagrad, lr=0.01),
+                     "hostembed Adagrad(fused=True)": host(hostembed.Adagrad, lr=0.01, fused=True),
                      "torch Adagrad": torch_sparse(torch.optim.Adagrad, lr=0.01), YARDSTICK: adam},
                     "hostembed Adagrad", "torch Adagrad", False),
         "RowWiseAdagrad": ({"hostembed RowWiseAdagrad": host(hostembed.RowWiseAdagrad, lr=0.01),
+                            "hostembed RowWiseAdagrad(fused=True)": host(hostembed.RowWiseAdagrad, lr=0.01,
+                                                                         fused=True),
                             YARDSTICK: adam}, None, None, False),
-        "SparseAdam": ({YARDSTICK: adam, "torch SparseAdam": torch_sparse(torch.optim.SparseAdam, lr=1e-3)},
+        "SparseAdam": ({YARDSTICK: adam, "hostembed SparseAdam(fused=True)": host(hostembed.SparseAdam, lr=1e-3,
+                                                                                  fused=True),
+                        "torch SparseAdam": torch_sparse(torch.optim.SparseAdam, lr=1e-3)},
                        YARDSTICK, "torch SparseAdam", False),
         "EmbeddingBag(sum)": ({"hostembed EmbeddingBag + SparseAdam": bag(hostembed.EmbeddingBag),
+                               "hostembed EmbeddingBag + SparseAdam(fused=True)": bag(hostembed.EmbeddingBag, True),
                                "torch EmbeddingBag + SparseAdam": bag(torch.nn.EmbeddingBag)},
                               "hostembed EmbeddingBag + SparseAdam", "torch EmbeddingBag + SparseAdam", True),
     }
@@ -146,16 +155,17 @@ def run_group(args, name, spec, batches):
 def print_report(args, report):
     print(f"\nN={args.rows:,} x D={args.dim}, B={args.batch:,} Zipf({args.alpha}) ids, {args.threads} threads; "
           f"bags of {args.bag}; median of {args.steps} interleaved rounds")
-    print(f"{'group':<20} {'contender':<36} {'ms/step':>9} {'vs torch':>9} {'vs SparseAdam':>14} {'state':>10}")
+    print(f"{'group':<20} {'contender':<48} {'ms/step':>9} {'vs torch':>9} {'vs SparseAdam':>14} {'state':>10}")
     for group, result in report["groups"].items():
         contenders = result["contenders"]
         torch_ms = contenders[result["torch"]]["median_ms"] if result["torch"] else None
         yard = contenders.get(YARDSTICK, {}).get("median_ms")
         for n, r in contenders.items():
             ms = r["median_ms"]
-            vs_torch = f"{torch_ms / ms:.2f}x" if torch_ms and n == result["checked"] else ""
+            vs_torch = f"{torch_ms / ms:.2f}x" if torch_ms and n.startswith("hostembed") and (
+                n == result["checked"] or n.startswith(result["checked"].split("(")[0])) else ""
             vs_yard = f"{yard / ms:.2f}x" if yard and n.startswith("hostembed") and n != YARDSTICK else ""
-            print(f"{group:<20} {n:<36} {fmt_ms(ms):>9} {vs_torch:>9} {vs_yard:>14} "
+            print(f"{group:<20} {n:<48} {fmt_ms(ms):>9} {vs_torch:>9} {vs_yard:>14} "
                   f"{r['state_bytes'] / 2**20:>8.1f} MiB")
         others = result["cpu_fraction_used_by_others"]
         print(f"{'':<20} (other processes: {'unknown' if others is None else f'{others:.0%}'} of the CPUs)")

@@ -219,7 +219,7 @@ static PyObject *heb_sparse_update(PyObject *mod, PyObject *args, PyObject *kwds
 {
     (void)mod;
     static char *kwlist[] = {"kind", "weight", "state", "num_rows", "dim", "indices", "values", "nnz", "lr",
-                             "beta1", "beta2", "eps", "lr_decay", "step", "maximize", NULL};
+                             "beta1", "beta2", "eps", "lr_decay", "step", "maximize", "weight_decay", NULL};
     HEB_BUFFER(weight);
     PyObject *state;
     HEB_ADDRESS(indices);
@@ -227,10 +227,11 @@ static PyObject *heb_sparse_update(PyObject *mod, PyObject *args, PyObject *kwds
     long long num_rows, dim, nnz, step;
     he_optim_params hp = {0};
     int maximize;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$iO&O!LLO&O&LdddddLp:sparse_update", kwlist, &hp.kind,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$iO&O!LLO&O&LdddddLpd:sparse_update", kwlist, &hp.kind,
                                      heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows, &dim,
                                      heb_address_converter, &indices, heb_address_converter, &values, &nnz, &hp.lr,
-                                     &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize))
+                                     &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize,
+                                     &hp.weight_decay))
         return NULL;
     hp.step = step;
     hp.maximize = maximize;
@@ -254,7 +255,7 @@ static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject
     (void)mod;
     static char *kwlist[] = {"dedup", "grad", "padding_idx", "scale_grad_by_freq", "kind", "weight", "state",
                              "num_rows", "dim", "lr", "beta1", "beta2", "eps", "lr_decay", "step", "maximize",
-                             "bag_of", "row_weights", "num_bags", NULL};
+                             "weight_decay", "bag_of", "row_weights", "num_bags", NULL};
     heb_dedup *dedup;
     HEB_ADDRESS(grad);
     HEB_BUFFER(weight);
@@ -264,11 +265,11 @@ static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject
     long long padding_idx, num_rows, dim, step, num_bags;
     int scale, maximize;
     he_optim_params hp = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LpiO&O!LLdddddLpO&O&L:sparse_update_fused", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LpiO&O!LLdddddLpdO&O&L:sparse_update_fused", kwlist,
                                      &heb_dedup_type, &dedup, heb_address_converter, &grad, &padding_idx, &scale,
                                      &hp.kind, heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows,
                                      &dim, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize,
-                                     heb_address_converter, &bag_of, heb_address_converter, &row_weights, &num_bags))
+                                     &hp.weight_decay, heb_address_converter, &bag_of, heb_address_converter, &row_weights, &num_bags))
         return NULL;
     hp.step = step;
     hp.maximize = maximize;
@@ -302,12 +303,12 @@ static PyMethodDef heb_cpu_methods[] = {
      "max_norm in place on the unique rows of dedup (a Dedup built for num_rows) of the table's HostBuffer"},
     {"sparse_update_fused", HEB_KW_FUNC(heb_sparse_update_fused), METH_VARARGS | METH_KEYWORDS,
      "sparse_update_fused($module, /, *, dedup, grad, padding_idx, scale_grad_by_freq, kind, weight, state, "
-     "num_rows, dim, lr, beta1, beta2, eps, lr_decay, step, maximize, bag_of, row_weights, num_bags)\n--\n\n"
+     "num_rows, dim, lr, beta1, beta2, eps, lr_decay, step, maximize, weight_decay, bag_of, row_weights, num_bags)\n--\n\n"
      "grad_reduce of grad ([dedup.count, dim] rows) fed straight into the optimizer's row update: the same "
      "bits as the two calls, without writing the sums out"},
     {"sparse_update", HEB_KW_FUNC(heb_sparse_update), METH_VARARGS | METH_KEYWORDS,
      "sparse_update($module, /, *, kind, weight, state, num_rows, dim, indices, values, nnz, lr, beta1, beta2, "
-     "eps, lr_decay, step, maximize)\n--\n\n"
+     "eps, lr_decay, step, maximize, weight_decay)\n--\n\n"
      "The update of optimizer `kind` (0 SparseAdam, 1 SGD, 2 Adagrad, 3 row-wise Adagrad) of rows "
      "indices[:nnz] with grad rows values[:nnz], in place; weight: the HostBuffer of [num_rows, dim] rows, "
      "state: a tuple of the optimizer's state HostBuffers ([num_rows, dim] or [num_rows, 1] each; ValueError "

@@ -214,7 +214,8 @@ static PyObject *heb_cuda_sparse_adam(PyObject *mod, PyObject *args, PyObject *k
 {
     (void)mod;
     static char *kwlist[] = {"weight", "exp_avg", "exp_avg_sq", "num_rows", "dim", "indices", "values", "nnz",
-                             "lr", "beta1", "beta2", "eps", "step", "maximize", "device", "stream", NULL};
+                             "lr", "beta1", "beta2", "eps", "step", "maximize", "weight_decay", "device", "stream",
+                             NULL};
     HEB_BUFFER(weight);
     HEB_BUFFER(exp_avg);
     HEB_BUFFER(exp_avg_sq);
@@ -222,13 +223,14 @@ static PyObject *heb_cuda_sparse_adam(PyObject *mod, PyObject *args, PyObject *k
     HEB_ADDRESS(values);
     HEB_ADDRESS(stream);
     long long num_rows, dim, nnz, step;
-    he_adam_params hp;
+    he_adam_params hp = {0};
     int maximize, device;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&O&O&LLO&O&LddddLpiO&:cuda_sparse_adam", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&O&O&LLO&O&LddddLpdiO&:cuda_sparse_adam", kwlist,
                                      heb_buffer_converter, &weight, heb_buffer_converter, &exp_avg,
                                      heb_buffer_converter, &exp_avg_sq, &num_rows, &dim, heb_address_converter,
                                      &indices, heb_address_converter, &values, &nnz, &hp.lr, &hp.beta1, &hp.beta2,
-                                     &hp.eps, &step, &maximize, &device, heb_address_converter, &stream))
+                                     &hp.eps, &step, &maximize, &hp.weight_decay, &device, heb_address_converter,
+                                     &stream))
         return NULL;
     he_table hw, hm, hv;
     void *w, *m, *v;
@@ -277,7 +279,7 @@ static PyMethodDef heb_cuda_methods[] = {
      "The coalesced sparse gradient of a lookup from cuda_dedup's outputs, without atomics"},
     {"cuda_sparse_adam", HEB_KW_FUNC(heb_cuda_sparse_adam), METH_VARARGS | METH_KEYWORDS,
      "cuda_sparse_adam($module, /, *, weight, exp_avg, exp_avg_sq, num_rows, dim, indices, values, nnz, lr, "
-     "beta1, beta2, eps, step, maximize, device, stream)\n--\n\n"
+     "beta1, beta2, eps, step, maximize, weight_decay, device, stream)\n--\n\n"
      "SparseAdam through mapped memory: weight/exp_avg/exp_avg_sq are the registered HostBuffers of "
      "[num_rows, dim] rows each; indices unique and in range"},
     {NULL, NULL, 0, NULL},

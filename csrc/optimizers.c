@@ -18,7 +18,7 @@ he_adam_consts he_adam_make_consts(const he_adam_params *hp)
     double bias2 = 1.0 - pow(hp->beta2, (double)hp->step);
     double step_size = hp->lr * sqrt(bias2) / bias1;
     he_adam_consts c = {(float)(1.0 - hp->beta1), (float)(1.0 - hp->beta2), (float)hp->eps, (float)(-step_size),
-                        hp->maximize ? -1.0f : 1.0f};
+                        hp->maximize ? -1.0f : 1.0f, (float)(1.0 - hp->lr * hp->weight_decay)};
     return c;
 }
 
@@ -26,7 +26,9 @@ static he_status adam_consts(const he_optim_params *hp, he_optim_consts *out)
 {
     if (hp->step < 1)
         return he_fail(HE_ERR_VALUE, "step must be >= 1, got %" PRId64, hp->step);
-    he_adam_params a = {hp->lr, hp->beta1, hp->beta2, hp->eps, hp->step, hp->maximize};
+    if (!(hp->weight_decay >= 0.0))
+        return he_fail(HE_ERR_VALUE, "weight_decay must be >= 0, got %g", hp->weight_decay);
+    he_adam_params a = {hp->lr, hp->beta1, hp->beta2, hp->eps, hp->step, hp->maximize, hp->weight_decay};
     out->adam = he_adam_make_consts(&a);
     return HE_OK;
 }
@@ -49,7 +51,7 @@ static void adam_row(const he_optim_consts *oc, float *restrict w, float *const 
         float denom = sqrtf(v1) + c.eps;
         m[j] = m1;
         v[j] = v1;
-        w[j] = w[j] + (m1 / denom) * c.neg_step_size;
+        w[j] = w[j] * c.decay + (m1 / denom) * c.neg_step_size;
     }
 }
 

@@ -5,7 +5,8 @@
 static he_optim_params adam_params(const he_adam_params *hp)
 {
     he_optim_params p = {.kind = HE_OPTIM_ADAM, .lr = hp->lr, .beta1 = hp->beta1, .beta2 = hp->beta2,
-                         .eps = hp->eps, .step = hp->step, .maximize = hp->maximize};
+                         .eps = hp->eps, .step = hp->step, .maximize = hp->maximize,
+                         .weight_decay = hp->weight_decay};
     return p;
 }
 

@@ -18,7 +18,7 @@ static __device__ __forceinline__ void adam_element(float g_in, float &w, float 
     float denom = __fadd_rn(__fsqrt_rn(v1), c.eps);
     m = m1;
     v = v1;
-    w = __fadd_rn(w, __fmul_rn(__fdiv_rn(m1, denom), c.neg_step_size));
+    w = __fadd_rn(__fmul_rn(w, c.decay), __fmul_rn(__fdiv_rn(m1, denom), c.neg_step_size));
 }
 
 static __device__ __forceinline__ void adam_vector(float g, float &w, float &m, float &v, const he_adam_consts &c)

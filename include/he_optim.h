@@ -22,6 +22,7 @@ typedef struct he_optim_params {
     double lr_decay;      /* Adagrad */
     int64_t step;         /* after this step's increment, as torch counts: 1 on the first step */
     int maximize;
+    double weight_decay;  /* Adam: decoupled, on the updated rows (he_adam.h) */
 } he_optim_params;
 
 #endif

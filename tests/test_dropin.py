@@ -60,13 +60,19 @@ def _ddp_worker(rank, world, init_file, steps, result_file):
                    result_file)
     finally:
         dist.destroy_process_group()
+    # Saved: leave without running destructors. Freeing the DDP reducer at
+    # exit can deadlock in torch 2.13's gloo teardown (seen once here: the
+    # main thread joins the process group's thread while holding the GIL,
+    # and that thread needs the GIL to free a finished sparse allreduce).
+    os._exit(0)
 
 
 def test_ddp_trains_like_one_process_on_the_global_batch(tmp_path):
     steps, world = 5, 2
     ctx = torch.multiprocessing.get_context("spawn")
     files = [str(tmp_path / f"rank{r}.pt") for r in range(world)]
-    procs = [ctx.Process(target=_ddp_worker, args=(r, world, str(tmp_path / "init"), steps, files[r]))
+    # Daemons: a rank that hangs fails the test instead of holding the run at exit.
+    procs = [ctx.Process(target=_ddp_worker, args=(r, world, str(tmp_path / "init"), steps, files[r]), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -532,8 +532,9 @@ def test_fifty_zipf_steps_match_torch_on_the_gpu(update, dim):
         assert ours_err <= 2 * torch_err + 1e-7, f"{key}: error {ours_err:.3g} vs torch's {torch_err:.3g}"
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.3], ids=["", "weight_decay"])
 @pytest.mark.parametrize("dim", [16, 13])
-def test_gpu_cpu_and_auto_updates_give_the_same_bits(dim):
+def test_gpu_cpu_and_auto_updates_give_the_same_bits(dim, weight_decay):
     # Same gradients (GPU backward), same arithmetic in the same order; so
     # "auto" may time both modes on its first steps at no cost to the result.
     gen = torch.Generator().manual_seed(5)
@@ -542,7 +543,8 @@ def test_gpu_cpu_and_auto_updates_give_the_same_bits(dim):
     results = []
     for update in ("gpu", "cpu", "auto"):
         _, ours = gpu_pair(1000, dim)
-        opt = hostembed.SparseAdam(ours.parameters(), lr=0.05, betas=(0.8, 0.99), update=update)
+        opt = hostembed.SparseAdam(ours.parameters(), lr=0.05, betas=(0.8, 0.99), update=update,
+                                   weight_decay=weight_decay)
         modes = []
         for ids, g in zip(batches, grads):
             opt.zero_grad()
@@ -900,3 +902,26 @@ def test_gpu_output_can_be_changed_in_place():
     assert_kernel_path(ours)
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(ours.weight.grad.to_dense().cuda(), ref.weight.grad.to_dense())
+
+
+@pytest.mark.parametrize("make", [lambda p, f: hostembed.SGD(p, lr=0.2, fused=f),
+                                  lambda p, f: hostembed.Adagrad(p, lr=0.1, fused=f),
+                                  lambda p, f: hostembed.RowWiseAdagrad(p, lr=0.1, fused=f)],
+                         ids=["SGD", "Adagrad", "RowWiseAdagrad"])
+def test_fused_optimizers_with_gpu_outputs_give_the_unfused_bits(make):
+    # These optimizers update GPU-output tables on the CPU: fused, the sums
+    # reduced on the GPU in backward come to the host for the update.
+    torch.manual_seed(0)
+    plain = hostembed.Embedding(300, 16, device="cuda")
+    fused = hostembed.Embedding.from_pretrained(plain.weight.detach(), freeze=False).cuda()
+    opts = {plain: make(plain.parameters(), False), fused: make(fused.parameters(), True)}
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        ids = zipf_ids(300, 200, generator=gen).cuda()
+        for emb, opt in opts.items():
+            opt.zero_grad()
+            emb(ids).sin().sum().backward()
+            assert_kernel_path(emb)
+            opt.step()
+    assert fused.weight.grad is None
+    assert torch.equal(fused.weight, plain.weight)

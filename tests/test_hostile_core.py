@@ -320,7 +320,7 @@ def test_shapes_larger_than_the_buffer_are_refused_before_any_work(num_rows, dim
     with pytest.raises(ValueError, match="weight: .*needs"):
         _C.sparse_update(kind=0, weight=buf, state=tuple(state), num_rows=num_rows, dim=dim,
                          indices=ids.data_ptr(), values=grad.data_ptr(), nnz=1, lr=1.0, beta1=0.9, beta2=0.999,
-                         eps=1e-8, lr_decay=0.0, step=1, maximize=False)
+                         eps=1e-8, lr_decay=0.0, step=1, maximize=False, weight_decay=0.0)
     assert not any(bytes(memoryview(b)) != bytes(64) for b in [buf, *state])
 
 
@@ -330,7 +330,7 @@ def test_optimizer_state_buffers_too_small_shared_or_miscounted():
     ids, _ = _ids(3)
     grad = torch.ones(1, 4)
     hyper = dict(num_rows=4, dim=4, indices=ids.data_ptr(), values=grad.data_ptr(), nnz=1, lr=1.0, beta1=0.9,
-                 beta2=0.999, eps=1e-8, lr_decay=0.0, step=1, maximize=False)
+                 beta2=0.999, eps=1e-8, lr_decay=0.0, step=1, maximize=False, weight_decay=0.0)
     with pytest.raises(ValueError, match=r"exp_avg: a \[4, 4\] float32 table .* needs 64 bytes, but its buffer has 60"):
         _C.sparse_update(kind=0, weight=w, state=(small, v), **hyper)
     with pytest.raises(ValueError, match="exp_avg_sq overlaps the weight"):
@@ -373,7 +373,7 @@ def test_cuda_bindings_check_the_buffer_before_any_cuda_call():
     with pytest.raises(ValueError, match="weight: the HostBuffer is not registered with CUDA"):
         _C.cuda_sparse_adam(weight=buf, exp_avg=_C.HostBuffer(64), exp_avg_sq=_C.HostBuffer(64), num_rows=4, dim=4,
                             indices=0, values=0, nnz=1, lr=1.0, beta1=0.9, beta2=0.999, eps=1e-8, step=1,
-                            maximize=False, device=0, stream=0)
+                            maximize=False, weight_decay=0.0, device=0, stream=0)
     # An empty table needs no registration (nothing is read): dim 0 returns
     # before any CUDA call.
     _C.cuda_gather(table=buf, num_rows=4, dim=0, out=0, **common)

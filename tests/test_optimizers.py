@@ -181,7 +181,7 @@ def test_other_parameters_go_through_torch():
     (lambda p: hostembed.SGD(p, lr=0.1, momentum=0.9), "momentum=0.9 with a hostembed table"),
     (lambda p: hostembed.SGD(p, lr=0.1, weight_decay=0.01), "weight_decay=0.01 with a hostembed table"),
     (lambda p: hostembed.Adagrad(p, weight_decay=0.01), "does not take weight decay with sparse gradients"),
-    (lambda p: hostembed.Adagrad(p, fused=True), "fused and differentiable implementations do not take"),
+    (lambda p: hostembed.Adagrad(p, differentiable=True), "differentiable implementation does not take"),
 ])
 def test_hyperparameters_that_touch_every_row_are_refused(make, message):
     emb = hostembed.Embedding(10, 3)
@@ -255,3 +255,66 @@ def test_load_state_dict_refuses_a_bad_state_and_changes_nothing():
     with pytest.raises(ValueError, match="momentum=0.5 with a hostembed table"):
         sgd.load_state_dict({"state": {}, "param_groups": groups})
     assert sgd.param_groups[0]["momentum"] == 0
+
+
+# ---- fused=True: the update in backward, the same bits as backward + step()
+
+FUSABLE = {
+    "SGD": lambda p, fused: hostembed.SGD(p, lr=0.2, fused=fused),
+    "Adagrad": lambda p, fused: hostembed.Adagrad(p, lr=0.1, lr_decay=0.01, fused=fused),
+    "RowWiseAdagrad": lambda p, fused: hostembed.RowWiseAdagrad(p, lr=0.1, fused=fused),
+}
+
+
+def _fused_model(kind, seed=0):
+    torch.manual_seed(seed)
+    if kind == "bag":
+        return hostembed.EmbeddingBag(300, 16, mode="mean", padding_idx=0)
+    return hostembed.Embedding(300, 16, padding_idx=0)
+
+
+@pytest.mark.parametrize("module", ["embedding", "bag"])
+@pytest.mark.parametrize("name", FUSABLE)
+def test_fused_gives_the_bits_of_backward_then_step(name, module):
+    plain, fused = _fused_model(module), _fused_model(module)
+    opt_plain, opt_fused = FUSABLE[name](plain.parameters(), False), FUSABLE[name](fused.parameters(), True)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(12):
+        ids = zipf_ids(300, 120, generator=gen).view(20, 6)
+        for emb, opt in ((plain, opt_plain), (fused, opt_fused)):
+            opt.zero_grad()
+            emb(ids).sin().sum().backward()
+            if emb is fused:
+                assert emb.weight.grad is None, "a fused table gets no weight.grad"
+            opt.step()
+    assert torch.equal(fused.weight, plain.weight)
+    for key, value in opt_plain.state[plain.weight].items():
+        assert torch.equal(torch.as_tensor(opt_fused.state[fused.weight][key]), torch.as_tensor(value)), key
+    assert not torch.equal(plain.weight, _fused_model(module).weight)
+
+
+@pytest.mark.parametrize("name", FUSABLE)
+def test_fused_two_lookups_in_one_pass_and_accumulation(name):
+    plain, fused = _fused_model("embedding"), _fused_model("embedding")
+    opt_plain, opt_fused = FUSABLE[name](plain.parameters(), False), FUSABLE[name](fused.parameters(), True)
+    a, b = torch.tensor([1, 2, 2, 7]), torch.tensor([7, 9])
+    for emb, opt in ((plain, opt_plain), (fused, opt_fused)):
+        (emb(a).sum() + emb(b).pow(2).sum()).backward()
+        opt.step()
+    assert torch.equal(fused.weight, plain.weight)
+    fused(a).sum().backward()
+    before = fused.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="gradient accumulation over several backward"):
+        fused(a).sum().backward()
+    assert torch.equal(fused.weight, before)
+
+
+def test_a_table_has_one_fused_optimizer():
+    emb = hostembed.Embedding(10, 3)
+    first = hostembed.SGD(emb.parameters(), lr=0.1, fused=True)
+    with pytest.raises(ValueError, match="already updated in backward by another fused optimizer"):
+        hostembed.Adagrad(emb.parameters(), fused=True)
+    with pytest.raises(ValueError, match="already updated in backward"):
+        hostembed.SparseAdam(emb.parameters(), fused=True)
+    del first  # the table is free again once its fused optimizer is gone
+    hostembed.RowWiseAdagrad(emb.parameters(), fused=True)

@@ -207,3 +207,59 @@ def test_state_dict_round_trip_resumes_bit_identically():
     train(resumed, opt2, batches[4:], grads[4:])
     assert torch.equal(resumed.weight, straight.weight)
     assert torch.equal(opt2.state[resumed.weight]["exp_avg_sq"], opt.state[straight.weight]["exp_avg_sq"])
+
+
+# ---- weight_decay: AdamW's decoupled decay, on the rows each step updates
+
+def _train_with_lazy_decay(emb, opt, batches, grads, lr, weight_decay):
+    """torch's SparseAdam after AdamW's decay (w *= 1 - lr * wd, first) of
+    the rows of each step's gradient: the reference of the semantics."""
+    for ids, g in zip(batches, grads):
+        opt.zero_grad()
+        emb(ids).backward(g)
+        rows = emb.weight.grad.coalesce().indices()[0]
+        with torch.no_grad():
+            emb.weight[rows] *= 1 - lr * weight_decay
+        opt.step()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_weight_decay_is_adamw_on_the_updated_rows(fused):
+    num_rows, dim, lr, wd = 2000, 16, 0.01, 0.1
+    ref, ours = pair(num_rows, dim, sparse=True)
+    exact = torch.nn.Embedding(num_rows, dim, sparse=True, _weight=ref.weight.detach().double().clone())
+    start = ours.weight.detach().clone()
+    batches, grads = zipf_batches(num_rows, dim, steps=30, batch=1024)
+    _train_with_lazy_decay(exact, torch.optim.SparseAdam(exact.parameters(), lr=lr), batches,
+                           [g.double() for g in grads], lr, wd)
+    _train_with_lazy_decay(ref, torch.optim.SparseAdam(ref.parameters(), lr=lr), batches, grads, lr, wd)
+    opt = hostembed.SparseAdam(ours.parameters(), lr=lr, weight_decay=wd, fused=fused)
+    train(ours, opt, batches, grads)
+    torch_err = (ref.weight.double() - exact.weight).abs().max().item()
+    ours_err = (ours.weight.double() - exact.weight).abs().max().item()
+    assert ours_err <= 2 * torch_err + 1e-7, f"error {ours_err:.3g} vs torch's {torch_err:.3g}"
+    touched = torch.unique(torch.cat(batches))
+    untouched = torch.ones(num_rows, dtype=torch.bool)
+    untouched[touched] = False
+    assert untouched.any() and torch.equal(ours.weight[untouched], start[untouched]), "untouched rows never decay"
+    # Without the decay the same training ends elsewhere: the decay ran.
+    _, plain = pair(num_rows, dim, sparse=True)
+    train(plain, hostembed.SparseAdam(plain.parameters(), lr=lr), batches, grads)
+    assert (plain.weight - ours.weight).abs().max() > 1e-4
+    assert opt.state_dict()["param_groups"][0]["weight_decay"] == wd
+
+
+def test_weight_decay_refusals():
+    emb, lin = hostembed.Embedding(10, 3), torch.nn.Embedding(10, 3, sparse=True)
+    with pytest.raises(ValueError, match="Invalid weight_decay value: -0.1"):
+        hostembed.SparseAdam(emb.parameters(), weight_decay=-0.1)
+    with pytest.raises(ValueError, match="applies to hostembed tables only"):
+        hostembed.SparseAdam([emb.weight, lin.weight], weight_decay=0.1)
+    opt = hostembed.SparseAdam([{"params": [emb.weight], "weight_decay": 0.1},
+                                {"params": [lin.weight]}])
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    state = opt.state_dict()
+    state["param_groups"][1]["weight_decay"] = 0.5
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: weight_decay=0.5 applies to hostembed tables only"):
+        opt.load_state_dict(state)
+    assert opt.param_groups[1]["weight_decay"] == 0.0

@@ -22,10 +22,13 @@ table cannot do (the first gradient is already applied): RuntimeError,
 nothing changed.
 """
 import functools
+import warnings
 import weakref
 from typing import NamedTuple, Optional
 
 import torch
+
+from ._table import table_of
 
 ACCUMULATION_MESSAGE = (
     "hostembed: this table is updated by SparseAdam(fused=True) in backward, and a second backward reached it "
@@ -67,6 +70,44 @@ class GpuGradient:
         """(indices, values), ordered after the reduce on the current stream."""
         torch.cuda.current_stream(self.values.device).wait_event(self.ready)
         return self.indices, self.values
+
+
+def warn_if_distributed(name):
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        warnings.warn(
+            f"{name}(fused=True) under torch.distributed: each process updates its tables from its own "
+            "batch in backward, with no all-reduce, and DistributedDataParallel cannot wrap a fused table "
+            "(its reducer fails with 'Expected sparse gradient to be defined'). Use fused=False for "
+            "replicated tables", UserWarning, stacklevel=3)
+
+
+def register(opt, tables, name):
+    """Makes opt the optimizer that updates each of `tables` in backward;
+    ValueError (nothing registered) if another one already does."""
+    if any(optimizer_of(t) not in (None, opt) for t in tables):
+        raise ValueError(f"{name}(fused=True): a hostembed table in these parameters is already updated in "
+                         "backward by another fused optimizer; a table can have one")
+    for table in tables:
+        table.fused_optimizer, table.fused = weakref.ref(opt), True
+
+
+def step_taken(opt):
+    """step() of a fused optimizer: its tables' updates ran in backward; the
+    next backward may reach them again."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            table = table_of(p)
+            if table is not None and optimizer_of(table) is opt:
+                table.fused_awaiting_step = False
+
+
+def param_of(opt, table):
+    """(the parameter, its group) of `table` in opt."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if table_of(p) is table:
+                return p, group
+    raise RuntimeError(f"hostembed: {type(opt).__name__}(fused=True) no longer holds this table's weight")
 
 
 def optimizer_of(table):

@@ -328,7 +328,7 @@ _OPTIMIZER_NAMES = {ADAM: "SparseAdam", SGD: "SGD", ADAGRAD: "Adagrad", ROWWISE_
 
 def sparse_update(kind: int, weight: Tensor, state, indices: Tensor, values: Tensor, *, lr: float, step: int,
                   maximize: bool, beta1: float = 0.0, beta2: float = 0.0, eps: float = 0.0,
-                  lr_decay: float = 0.0) -> None:
+                  lr_decay: float = 0.0, weight_decay: float = 0.0) -> None:
     """Optimizer `kind`'s update of rows `indices` with gradient rows
     `values`, in place, by the core's threads. Repeated indices are summed
     first; an index outside the table raises before anything is written.
@@ -342,18 +342,20 @@ def sparse_update(kind: int, weight: Tensor, state, indices: Tensor, values: Ten
         table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
         _C.sparse_update(kind=kind, weight=table.buffer, state=buffers, num_rows=table.num_rows, dim=table.dim,
                          indices=_address(indices), values=_address(values), nnz=indices.numel(), lr=lr,
-                         beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize)
+                         beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
+                         weight_decay=weight_decay)
         table.rows_changed(indices)
 
 
 @_custom_op("hostembed::sparse_adam_", mutates_args=("weight", "exp_avg", "exp_avg_sq"))
 def sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indices: Tensor, values: Tensor, lr: float,
-                 beta1: float, beta2: float, eps: float, step: int, maximize: bool) -> None:
+                 beta1: float, beta2: float, eps: float, step: int, maximize: bool,
+                 weight_decay: float = 0.0) -> None:
     """torch.optim.SparseAdam's update (sparse_update of ADAM), an op that
     torch.compile can trace."""
     _check_state(host_table_of(weight, "SparseAdam"), exp_avg, exp_avg_sq)
-    sparse_update(ADAM, weight, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, indices, values, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                  step=step, maximize=maximize)
+    sparse_update(ADAM, weight, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, indices, values, lr=lr,
+                  beta1=beta1, beta2=beta2, eps=eps, step=step, maximize=maximize, weight_decay=weight_decay)
 
 
 def _row_gradient(table, indices, values, device, name="SparseAdam"):
@@ -379,7 +381,7 @@ def _row_gradient(table, indices, values, device, name="SparseAdam"):
 
 
 @sparse_adam_.op.register_fake
-def _(weight, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps, step, maximize):
+def _(weight, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps, step, maximize, weight_decay=0.0):
     return None
 
 
@@ -389,14 +391,27 @@ def adam_update(*args, **hyper):
 
 
 def fused_adam_update(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, gradient, *, lr: float, beta1: float,
-                      beta2: float, eps: float, step: int, maximize: bool) -> None:
+                      beta2: float, eps: float, step: int, maximize: bool, weight_decay: float = 0.0) -> None:
     """A CPU lookup's backward and SparseAdam's update in one pass of the
     core (the fused mode, _fused.py): gradient is the lookup's
     _fused.CpuGradient. The same bits as grad_reduce then sparse_adam_.
     Eager only."""
     table = host_table_of(weight, "SparseAdam")
     _check_state(table, exp_avg, exp_avg_sq)
-    buffers = (table.buffer_of(exp_avg, "SparseAdam's exp_avg"), table.buffer_of(exp_avg_sq, "SparseAdam's exp_avg_sq"))
+    sparse_update_fused(ADAM, weight, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, gradient, lr=lr, beta1=beta1,
+                        beta2=beta2, eps=eps, step=step, maximize=maximize, weight_decay=weight_decay)
+
+
+def sparse_update_fused(kind: int, weight: Tensor, state, gradient, *, lr: float, step: int, maximize: bool,
+                        beta1: float = 0.0, beta2: float = 0.0, eps: float = 0.0, lr_decay: float = 0.0,
+                        weight_decay: float = 0.0) -> None:
+    """sparse_update of optimizer `kind` from a CPU lookup's output gradient
+    (_fused.CpuGradient) in one pass: each id's gradient rows summed and
+    handed to its row update, the same bits as grad_reduce then
+    sparse_update. Eager only (the fused mode, _fused.py)."""
+    name = _OPTIMIZER_NAMES[kind]
+    table = host_table_of(weight, name)
+    buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
     ids = gradient.ids.reshape(-1).contiguous()
     rows, bags = _gradient_rows(gradient.grad, ids, table.dim, gradient.pooling)
     dedup = gradient.dedup
@@ -405,9 +420,10 @@ def fused_adam_update(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, gradi
     with table.lock:
         table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
         _C.sparse_update_fused(dedup=dedup, grad=_address(rows), padding_idx=gradient.padding_idx,
-                               scale_grad_by_freq=gradient.scale_grad_by_freq, kind=ADAM, weight=table.buffer,
+                               scale_grad_by_freq=gradient.scale_grad_by_freq, kind=kind, weight=table.buffer,
                                state=buffers, num_rows=table.num_rows, dim=table.dim, lr=lr, beta1=beta1,
-                               beta2=beta2, eps=eps, lr_decay=0.0, step=step, maximize=maximize, **bags)
+                               beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
+                               weight_decay=weight_decay, **bags)
         table.rows_changed(ids)
 
 
@@ -648,7 +664,8 @@ def fused_embedding_gpu_lookup(weight, table_handle, ids, device, padding_idx, m
 
 @_custom_op("hostembed::gpu_sparse_adam_", mutates_args=("weight", "exp_avg", "exp_avg_sq"))
 def gpu_sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indices: Tensor, values: Tensor,
-                     lr: float, beta1: float, beta2: float, eps: float, step: int, maximize: bool) -> None:
+                     lr: float, beta1: float, beta2: float, eps: float, step: int, maximize: bool,
+                     weight_decay: float = 0.0) -> None:
     """SparseAdam's update by a kernel on values' GPU, through the pinned
     mapping of the table and its state (pinned here on first use), with
     the gradient rows already in GPU memory. Complete when it returns."""
@@ -668,7 +685,8 @@ def gpu_sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indice
         table.rows_changed(None)
         _C.cuda_sparse_adam(weight=w, exp_avg=m, exp_avg_sq=v, num_rows=table.num_rows, dim=table.dim,
                             indices=_address(indices), values=_address(values), nnz=indices.numel(), lr=lr,
-                            beta1=beta1, beta2=beta2, eps=eps, step=step, maximize=maximize, device=device.index,
+                            beta1=beta1, beta2=beta2, eps=eps, step=step, maximize=maximize,
+                            weight_decay=weight_decay, device=device.index,
                             stream=stream.cuda_stream)
         # Done when step() returns, as any optimizer on CPU tensors:
         # state_dict(), torch.save and CPU reads of the weight see the
@@ -678,7 +696,7 @@ def gpu_sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indice
 
 
 @gpu_sparse_adam_.op.register_fake
-def _(weight, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps, step, maximize):
+def _(weight, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps, step, maximize, weight_decay=0.0):
     return None
 
 

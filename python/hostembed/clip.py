@@ -32,9 +32,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
             # Its update already ran in backward: clipping the others alone
             # would scale a different total than the caller asked for.
             raise RuntimeError(
-                "hostembed.clip_grad_norm_: a table updated by SparseAdam(fused=True) has no gradient to clip "
-                "(its update is applied in backward); use SparseAdam(fused=False) to clip it, or leave the "
-                "table out of the clipped parameters")
+                f"hostembed.clip_grad_norm_: a table updated by {type(_fused.optimizer_of(table)).__name__}"
+                "(fused=True) has no gradient to clip (its update is applied in backward); use fused=False to "
+                "clip it, or leave the table out of the clipped parameters")
     params = [p for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     if not params:

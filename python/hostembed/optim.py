@@ -1,8 +1,6 @@
 """hostembed.SparseAdam: torch.optim.SparseAdam, done in place by the C core
 for hostembed tables."""
 import time
-import warnings
-import weakref
 
 import torch
 from torch.optim import _functional as torch_functional
@@ -44,6 +42,12 @@ class SparseAdam(torch.optim.SparseAdam):
     memory when step() returns. Tables with CPU outputs always update on
     the CPU.
 
+    ``weight_decay`` (keyword-only, default 0; torch's SparseAdam has
+    none): AdamW's decoupled decay, lazily, on the rows each step updates:
+    ``w *= 1 - lr * weight_decay`` before their Adam update, as AdamW
+    orders it; rows a step does not touch are not decayed (a dense decay
+    would be a pass over the whole table every step). Host tables only.
+
     ``fused=True`` applies each hostembed table's update in backward, at
     the end of the backward pass, straight from the lookup's output
     gradient: no ``weight.grad`` is built, and the gradient never goes
@@ -56,31 +60,36 @@ class SparseAdam(torch.optim.SparseAdam):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, *, update=DEFAULT_UPDATE,
-                 fused=False):
+                 fused=False, weight_decay=0.0):
+        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay!r}")
         if update not in UPDATES:
             raise ValueError(f"SparseAdam: update must be one of {UPDATES}, got {update!r}")
         if not isinstance(fused, bool):
             raise TypeError(f"SparseAdam: fused must be a bool, got {type(fused).__name__}")
-        if fused and torch.distributed.is_available() and torch.distributed.is_initialized():
-            warnings.warn(
-                "SparseAdam(fused=True) under torch.distributed: each process updates its tables from its own "
-                "batch in backward, with no all-reduce, and DistributedDataParallel cannot wrap a fused table "
-                "(its reducer fails with 'Expected sparse gradient to be defined'). Use fused=False for "
-                "replicated tables", UserWarning, stacklevel=2)
+        if fused:
+            _fused.warn_if_distributed("SparseAdam")
         # Before torch's __init__, which calls add_param_group.
-        self.update, self.fused = update, fused
+        self.update, self.fused, self._weight_decay = update, fused, float(weight_decay)
         super().__init__(params, lr=lr, betas=betas, eps=eps, maximize=maximize)
+        self.defaults["weight_decay"] = self._weight_decay
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
-        tables = [t for t in map(table_of, self.param_groups[-1]["params"]) if t is not None]
+        group = self.param_groups[-1]
+        group.setdefault("weight_decay", self._weight_decay)
+        try:
+            _check_weight_decay(group, "SparseAdam")
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        tables = [t for t in map(table_of, group["params"]) if t is not None]
         if self.fused:
-            if any(_fused.optimizer_of(t) not in (None, self) for t in tables):
+            try:
+                _fused.register(self, tables, "SparseAdam")
+            except ValueError:
                 self.param_groups.pop()
-                raise ValueError("SparseAdam(fused=True): a hostembed table in these parameters is already "
-                                 "updated in backward by another fused SparseAdam; a table can have one")
-            for table in tables:
-                table.fused_optimizer, table.fused = weakref.ref(self), True
+                raise
         for table in tables:
             self._want_grad_twin(table)
 
@@ -101,13 +110,11 @@ class SparseAdam(torch.optim.SparseAdam):
             with torch.enable_grad():
                 loss = closure()
 
+        if self.fused:
+            _fused.step_taken(self)
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
             for p in group["params"]:
-                if self.fused:
-                    table = table_of(p)
-                    if table is not None and table.fused_optimizer is not None:
-                        table.fused_awaiting_step = False  # its update ran in backward
                 if p.grad is None:
                     continue
                 if not p.grad.is_sparse:
@@ -179,7 +186,7 @@ class SparseAdam(torch.optim.SparseAdam):
     def _fused_update(self, table, gradients):
         """The fused mode's update of `table` with the lookup gradients of
         one backward pass (called by _fused at the pass's end)."""
-        p, group = self._param_of(table)
+        p, group = _fused.param_of(self, table)
         exp_avg, exp_avg_sq, step = self._table_state(p, table)
         hyper = self._hyper(group, step + 1)
         if len(gradients) > 1:
@@ -206,12 +213,6 @@ class SparseAdam(torch.optim.SparseAdam):
                 self._last_update = "cpu"
         self.state[p].update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
 
-    def _param_of(self, table):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if table_of(p) is table:
-                    return p, group
-        raise RuntimeError("hostembed: SparseAdam(fused=True) no longer holds this table's weight")
 
     @staticmethod
     def _gpu_ready(p, table, exp_avg, exp_avg_sq, device):
@@ -221,7 +222,8 @@ class SparseAdam(torch.optim.SparseAdam):
     def _hyper(group, step):
         beta1, beta2 = group["betas"]
         return {"lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
-                "eps": float(group["eps"]), "step": step, "maximize": bool(group.get("maximize", False))}
+                "eps": float(group["eps"]), "step": step, "maximize": bool(group.get("maximize", False)),
+                "weight_decay": float(group.get("weight_decay", 0.0))}
 
     def _table_state(self, p, table):
         """(exp_avg, exp_avg_sq, step) of a host table: new zeroed buffers
@@ -264,6 +266,19 @@ class SparseAdam(torch.optim.SparseAdam):
         plan.stage()
         plan.copy_in_place()
         plan.install()
+
+
+def _check_weight_decay(group, where):
+    """weight_decay (the decoupled, lazy decay of the rows each step
+    updates) is >= 0, and not 0 only for a group of hostembed tables: torch's
+    SparseAdam, which updates the other parameters, has none."""
+    decay = group.get("weight_decay", 0.0)
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not decay >= 0:
+        raise ValueError(f"{where}: Invalid weight_decay value: {decay!r}")
+    if decay and any(table_of(p) is None for p in group["params"]):
+        raise ValueError(f"{where}: weight_decay={decay!r} applies to hostembed tables only (torch's SparseAdam, "
+                         "which updates the other parameters, has no weight decay); put them in a group with "
+                         "weight_decay=0, or use torch.optim.AdamW for dense ones")
 
 
 def _copy(dst, src, desc):
@@ -312,6 +327,7 @@ class _LoadPlan:
         self.moments = []
         for index, group, pairs in layout:
             _validate.check_sparse_adam_group(group, f"{where}: param_groups[{index}]")
+            _check_weight_decay(dict(group, params=[p for _, p in pairs]), f"{where}: param_groups[{index}]")
             for saved_id, p in pairs:
                 entry = saved_state.get(saved_id)
                 if not entry:

@@ -12,7 +12,7 @@ Any other parameter is updated by torch's own step.
 """
 import torch
 
-from . import _ops, _validate
+from . import _fused, _ops, _validate
 from ._lookup_gpu import take_grad_twin
 from ._stream import copy_rows
 from ._table import table_of
@@ -86,6 +86,7 @@ class _HostStep:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        _fused.step_taken(self)
         # Every host gradient is checked before anything is updated.
         host = [(p, table, group, row_sparse_gradient(p, table, self._name))
                 for p, table, group in self._host_params()]
@@ -101,15 +102,41 @@ class _HostStep:
             self._host_update(p, table, group, indices, values)
         return loss
 
+    def _host_update(self, p, table, group, indices, values):
+        kind, state, hyper, record = self._host_args(p, table, group)
+        _ops.sparse_update(kind, p, state, indices, values, **hyper)
+        # Recorded once the core accepted the gradient.
+        if record:
+            self.state[p].update(record)
+
+    def _fused_update(self, table, gradients):
+        """The update of `table` in backward (fused=True) with the lookup
+        gradients of one backward pass (_fused.py calls it at its end)."""
+        p, group = _fused.param_of(self, table)
+        if len(gradients) == 1 and isinstance(gradients[0], _fused.CpuGradient):
+            kind, state, hyper, record = self._host_args(p, table, group)
+            _ops.sparse_update_fused(kind, p, state, gradients[0], **hyper)
+            if record:
+                self.state[p].update(record)
+            return
+        # Several lookups of the table in one pass (one update of their
+        # summed gradient, as unfused), or GPU outputs (their sums copied
+        # to the host: these optimizers update on the CPU).
+        parts = [_ops.reduce_to_host(table, g) for g in gradients]
+        self._host_update(p, table, group, torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
+
     def _torch_step(self):
         super().step()
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        if any(table_of(p) is not None for p in group["params"]):
+        tables = [t for t in map(table_of, group["params"]) if t is not None]
+        if tables:
             try:
                 self._check_host_group(group, f"{self._name}")
+                if group.get("fused"):
+                    _fused.register(self, tables, self._name)
             except Exception:
                 self.param_groups.pop()
                 raise
@@ -143,10 +170,10 @@ def _non_negative(group, key, where):
         raise ValueError(f"{where}: Invalid {key} value: expected {key} >= 0, found {value!r}")
 
 
-def _refuse_fused(group, where, name):
-    if group.get("fused") or group.get("differentiable"):
-        raise ValueError(f"{where}: {name}'s fused and differentiable implementations do not take hostembed "
-                         "tables (the core updates them in place); leave fused and differentiable unset")
+def _refuse_differentiable(group, where, name):
+    if group.get("differentiable"):
+        raise ValueError(f"{where}: {name}'s differentiable implementation does not take hostembed tables (the "
+                         "core updates them in place); leave differentiable unset")
 
 
 class SGD(_HostStep, torch.optim.SGD):
@@ -176,11 +203,10 @@ class SGD(_HostStep, torch.optim.SGD):
                     f"{'keeps a momentum buffer of every row ever touched and updates all of them' if key == 'momentum' else 'adds the whole dense weight to the gradient'} "
                     "at every step; hostembed tables take momentum=0 and weight_decay=0 (put other parameters "
                     "in their own group or optimizer)")
-        _refuse_fused(group, where, "SGD")
+        _refuse_differentiable(group, where, "SGD")
 
-    def _host_update(self, p, table, group, indices, values):
-        _ops.sparse_update(_ops.SGD, p, {}, indices, values, lr=float(group["lr"]), step=1,
-                           maximize=bool(group.get("maximize", False)))
+    def _host_args(self, p, table, group):
+        return _ops.SGD, {}, {"lr": float(group["lr"]), "step": 1, "maximize": bool(group.get("maximize", False))}, {}
 
 
 class Adagrad(_HostStep, torch.optim.Adagrad):
@@ -249,25 +275,23 @@ class Adagrad(_HostStep, torch.optim.Adagrad):
             raise ValueError(f"{where}: weight_decay={group['weight_decay']!r} with a hostembed table: torch's "
                              "Adagrad does not take weight decay with sparse gradients (it raises at step()); "
                              "use weight_decay=0 for host tables")
-        _refuse_fused(group, where, "Adagrad")
+        _refuse_differentiable(group, where, "Adagrad")
 
     def _check_state(self, entry, p, where):
         super()._check_state(entry, p, where)
         if table_of(p) is not None and set(entry) != {"step", "sum"}:
             raise ValueError(f"{where}: expected the keys ['step', 'sum'], found {sorted(map(repr, entry))}")
 
-    def _host_update(self, p, table, group, indices, values):
+    def _host_args(self, p, table, group):
         state = self.state[p]
         if "sum" not in state:  # a group added after construction
             self._init_state(p, group)
         total = owned_state(table, state["sum"])
         step = int(state["step"].item() if isinstance(state["step"], torch.Tensor) else state["step"]) + 1
-        _ops.sparse_update(_ops.ADAGRAD, p, {"sum": total}, indices, values, lr=float(group["lr"]),
-                           eps=float(group["eps"]), lr_decay=float(group["lr_decay"]), step=step,
-                           maximize=bool(group.get("maximize", False)))
-        # Recorded once the core accepted the gradient.
-        state["sum"] = total
-        state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        hyper = {"lr": float(group["lr"]), "eps": float(group["eps"]), "lr_decay": float(group["lr_decay"]),
+                 "step": step, "maximize": bool(group.get("maximize", False))}
+        return _ops.ADAGRAD, {"sum": total}, hyper, {"sum": total,
+                                                      "step": torch.tensor(float(step), dtype=torch.float32)}
 
 
 class RowWiseAdagrad(_HostStep, torch.optim.Optimizer):
@@ -287,24 +311,33 @@ class RowWiseAdagrad(_HostStep, torch.optim.Optimizer):
 
     _name = "RowWiseAdagrad"
 
-    def __init__(self, params, lr=1e-2, eps=1e-10, initial_accumulator_value=0.0, *, maximize=False):
+    def __init__(self, params, lr=1e-2, eps=1e-10, initial_accumulator_value=0.0, *, maximize=False, fused=False):
         for key, value in (("learning rate", lr), ("epsilon value", eps),
                            ("initial_accumulator_value value", initial_accumulator_value)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value:
                 raise ValueError(f"Invalid {key}: {value!r}")
-        if not isinstance(maximize, bool):
-            raise TypeError(f"RowWiseAdagrad: maximize must be a bool, got {maximize!r}")
+        for key, value in (("maximize", maximize), ("fused", fused)):
+            if not isinstance(value, bool):
+                raise TypeError(f"RowWiseAdagrad: {key} must be a bool, got {value!r}")
+        if fused:
+            _fused.warn_if_distributed("RowWiseAdagrad")
         super().__init__(params, {"lr": lr, "eps": eps, "initial_accumulator_value": initial_accumulator_value,
-                                  "maximize": maximize})
+                                  "maximize": maximize, "fused": fused})
 
     def add_param_group(self, param_group):
         torch.optim.Optimizer.add_param_group(self, param_group)
-        for p in self.param_groups[-1]["params"]:
-            if table_of(p) is None:
-                self.param_groups.pop()
-                raise ValueError(
-                    f"RowWiseAdagrad updates hostembed tables only; got a parameter of shape {list(p.shape)} that "
-                    "is not one (use torch.optim.Adagrad, or another optimizer, for the other parameters)")
+        group = self.param_groups[-1]
+        try:
+            for p in group["params"]:
+                if table_of(p) is None:
+                    raise ValueError(
+                        f"RowWiseAdagrad updates hostembed tables only; got a parameter of shape {list(p.shape)} "
+                        "that is not one (use torch.optim.Adagrad, or another optimizer, for the other parameters)")
+            if group["fused"]:
+                _fused.register(self, [table_of(p) for p in group["params"]], self._name)
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     def _check_group(self, group, where):
         _validate._require(group, ("lr", "eps", "initial_accumulator_value"), where)
@@ -331,7 +364,7 @@ class RowWiseAdagrad(_HostStep, torch.optim.Optimizer):
             raise _validate.DoesNotFit(f"{where}: state 'row_sum' has shape {list(value.shape)}, expected "
                                        f"[{p.shape[0]}] (one value per row)")
 
-    def _host_update(self, p, table, group, indices, values):
+    def _host_args(self, p, table, group):
         state = self.state.get(p)  # not self.state[p]: a defaultdict would add an entry
         if state:
             row_sum, step = owned_state(table, state["row_sum"].to(torch.float32), per_row=True), state["step"]
@@ -340,6 +373,6 @@ class RowWiseAdagrad(_HostStep, torch.optim.Optimizer):
             row_sum, step = table.zeros(per_row=True), 0
             if group["initial_accumulator_value"] != 0:
                 row_sum.fill_(group["initial_accumulator_value"])
-        _ops.sparse_update(_ops.ROWWISE_ADAGRAD, p, {"row_sum": row_sum}, indices, values, lr=float(group["lr"]),
-                           eps=float(group["eps"]), step=step + 1, maximize=bool(group["maximize"]))
-        self.state[p].update(step=step + 1, row_sum=row_sum)
+        hyper = {"lr": float(group["lr"]), "eps": float(group["eps"]), "step": step + 1,
+                 "maximize": bool(group["maximize"])}
+        return _ops.ROWWISE_ADAGRAD, {"row_sum": row_sum}, hyper, {"step": step + 1, "row_sum": row_sum}

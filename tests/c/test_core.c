@@ -1492,7 +1492,8 @@ static void test_sparse_update_every_optimizer(void)
                     t[c][i] = he_table_contiguous(mem[c][i], (size_t)(rows * width) * sizeof(float), rows, width);
                 }
             he_optim_params hp = {.kind = kind, .lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-6,
-                                  .lr_decay = 0.01, .step = 2, .maximize = (int)(dim % 2)};
+                                  .lr_decay = 0.01, .step = 2, .maximize = (int)(dim % 2),
+                                  .weight_decay = kind == HE_OPTIM_ADAM ? 0.2 : 0.0};
             he_reduce_opts opts = {4, 0};
             he_ids view = {ids, count, 1};
             he_dedup *d = NULL;
@@ -1527,6 +1528,14 @@ static void test_sparse_update_every_optimizer(void)
             he_dedup_free(d);
         }
     }
+    he_optim_params negative_decay = {.kind = HE_OPTIM_ADAM, .lr = 0.1, .step = 1, .weight_decay = -0.5};
+    float w1 = 1.0f, m1 = 0.0f, v1 = 0.0f, g1 = 1.0f;
+    int64_t row0 = 0;
+    he_table tw = he_table_contiguous(&w1, sizeof w1, 1, 1);
+    he_table ts[2] = {he_table_contiguous(&m1, sizeof m1, 1, 1), he_table_contiguous(&v1, sizeof v1, 1, 1)};
+    CHECK_ST(he_sparse_update(&negative_decay, &tw, ts, 2, &row0, &g1, 1), HE_ERR_VALUE);
+    CHECK_MSG("weight_decay must be >= 0");
+    CHECK(w1 == 1.0f && m1 == 0.0f && v1 == 0.0f);
     he_optim_params bad = {.kind = 17};
     he_table none = he_table_contiguous(NULL, 0, 0, 0);
     CHECK_ST(he_sparse_update(&bad, &none, NULL, 0, NULL, NULL, 0), HE_ERR_VALUE);
