@@ -12,7 +12,11 @@ order rotated each round, and freed before the next group:
     (sparse=True), both with SparseAdam, on the same ids in bags;
   * every hostembed optimizer also with fused=True (its update in backward).
 A step is forward -> backward(fixed gradient) -> step() -> zero_grad().
-State bytes are the optimizer state's tensors as allocated.
+State bytes are the optimizer state's tensors as allocated. The host copy
+bandwidth is measured in the same run, and each hostembed contender's
+traffic (a model: the gather reads and writes each looked-up row, the
+update reads and writes each updated row and its state and reads its
+gradient) is reported as a fraction of it.
 
 Usage (after `pip install .`): python benchmarks/cpu_breadth.py [--rows 1000000 ...]
 """
@@ -23,12 +27,16 @@ import time
 
 import torch
 
-from _common import (RESULTS_DIR, OtherLoad, fail, fmt_ms, log, machine_info, require_hostembed, summarize_ms,
-                     usable_cpus, write_json, zipf_batches)
+from _common import (RESULTS_DIR, OtherLoad, copy_bandwidth, fail, fmt_ms, log, machine_info, require_hostembed,
+                     summarize_ms, usable_cpus, write_json, zipf_batches)
 
 hostembed = require_hostembed()
 
 YARDSTICK = "hostembed SparseAdam"
+# Bytes each updated element moves: weight read + written, gradient read,
+# each state element read + written (SGD: none; Adagrad: sum; Adam: m, v;
+# row-wise Adagrad: one value a row, left out).
+UPDATE_BYTES = {"SGD": 12, "Adagrad": 20, "RowWiseAdagrad": 12, "SparseAdam": 28}
 
 
 def parse_args(argv=None):
@@ -43,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (the first allocates the state)")
     p.add_argument("--threads", type=int, default=usable_cpus(), help="torch and hostembed threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--copy-mib", type=int, default=1024, help="buffer size for the copy bandwidth ceiling")
     p.add_argument("--json", default=os.path.join(RESULTS_DIR, "cpu_breadth.json"))
     args = p.parse_args(argv)
     if min(args.rows, args.dim, args.batch, args.bag, args.steps, args.warmup, args.threads) < 1:
@@ -152,23 +161,38 @@ def run_group(args, name, spec, batches):
             "cpu_fraction_used_by_others": other_load.fraction()}
 
 
+def traffic_bytes(args, contender, unique):
+    """The modelled bytes of one hostembed step (see the module docstring):
+    the gather reads and writes each looked-up row (B rows; a bag reads each
+    distinct row once), the update moves UPDATE_BYTES per updated element."""
+    kind = next(k for k in ("RowWiseAdagrad", "Adagrad", "SGD", "SparseAdam") if k in contender)
+    looked_up = unique if "EmbeddingBag" in contender else args.batch
+    return 8 * looked_up * args.dim + UPDATE_BYTES[kind] * unique * args.dim
+
+
 def print_report(args, report):
-    print(f"\nN={args.rows:,} x D={args.dim}, B={args.batch:,} Zipf({args.alpha}) ids, {args.threads} threads; "
-          f"bags of {args.bag}; median of {args.steps} interleaved rounds")
-    print(f"{'group':<20} {'contender':<48} {'ms/step':>9} {'vs torch':>9} {'vs SparseAdam':>14} {'state':>10}")
+    copy_bps = report["copy_bandwidth"]["bytes_per_s"]
+    print(f"\nN={args.rows:,} x D={args.dim}, B={args.batch:,} Zipf({args.alpha}) ids "
+          f"({report['unique_mean']:,.0f} unique on average), {args.threads} threads; bags of {args.bag}; median "
+          f"of {args.steps} interleaved rounds; host copy bandwidth {copy_bps / 1e9:.1f} GB/s\n")
+    print("| group | contender | ms/step | vs torch | vs hostembed SparseAdam | of copy bandwidth | state |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for group, result in report["groups"].items():
         contenders = result["contenders"]
         torch_ms = contenders[result["torch"]]["median_ms"] if result["torch"] else None
         yard = contenders.get(YARDSTICK, {}).get("median_ms")
         for n, r in contenders.items():
             ms = r["median_ms"]
-            vs_torch = f"{torch_ms / ms:.2f}x" if torch_ms and n.startswith("hostembed") and (
-                n == result["checked"] or n.startswith(result["checked"].split("(")[0])) else ""
-            vs_yard = f"{yard / ms:.2f}x" if yard and n.startswith("hostembed") and n != YARDSTICK else ""
-            print(f"{group:<20} {n:<48} {fmt_ms(ms):>9} {vs_torch:>9} {vs_yard:>14} "
-                  f"{r['state_bytes'] / 2**20:>8.1f} MiB")
-        others = result["cpu_fraction_used_by_others"]
-        print(f"{'':<20} (other processes: {'unknown' if others is None else f'{others:.0%}'} of the CPUs)")
+            ours = n.startswith("hostembed")
+            vs_torch = f"{torch_ms / ms:.2f}x" if torch_ms and ours and n.split("(")[0] == result["checked"] else ""
+            vs_yard = f"{yard / ms:.2f}x" if yard and ours and n != YARDSTICK else ""
+            share = f"{r['traffic_bytes'] / (ms / 1e3) / copy_bps:.0%}" if ours else ""
+            print(f"| {group} | {n} | {fmt_ms(ms)} | {vs_torch} | {vs_yard} | {share} | "
+                  f"{r['state_bytes'] / 2**20:.1f} MiB |")
+    others = [r["cpu_fraction_used_by_others"] for r in report["groups"].values()]
+    known = [o for o in others if o is not None]
+    print(f"\nOther processes took {max(known):.0%} of the CPUs at most during a group" if known else
+          "\nOther processes' load: unknown")
 
 
 def main(argv=None):
@@ -176,10 +200,17 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     hostembed.set_num_threads(args.threads)
     batches = zipf_batches(args.rows, args.batch, args.alpha, args.warmup + args.steps, args.seed)
-    report = {"machine": machine_info(threads=args.threads), "args": vars(args), "groups": {}}
+    log(f"host copy bandwidth ({args.copy_mib} MiB buffers)")
+    report = {"machine": machine_info(threads=args.threads), "args": vars(args), "groups": {},
+              "copy_bandwidth": copy_bandwidth(args.copy_mib << 20, 5, args.threads),
+              "unique_mean": sum(torch.unique(ids).numel() for ids in batches) / len(batches)}
     for name, spec in groups().items():
         log(f"{name}: building, {args.warmup} warm-up steps, check, {args.steps} timed rounds")
-        report["groups"][name] = run_group(args, name, spec, batches)
+        result = run_group(args, name, spec, batches)
+        for n, r in result["contenders"].items():
+            if n.startswith("hostembed"):
+                r["traffic_bytes"] = traffic_bytes(args, n, report["unique_mean"])
+        report["groups"][name] = result
     print_report(args, report)
     write_json(args.json, report)
 
