@@ -408,12 +408,27 @@ static void fuzz_grad_reduce(reader *r)
                 ((int32_t *)ids.view.data)[i] = (int32_t)ids.as64[i];
         }
     int64_t n = ids.view.count;
-    float *grad = xmalloc((size_t)(n * dim) * sizeof(float));
-    for (int64_t i = 0; i < n * dim; i++)
-        grad[i] = any_float(r);
     uint8_t opt = u8(r);
     int64_t padding = (opt & 3) == 0 ? -1 : (opt & 3) == 1 ? (int64_t)(u8(r) % num_rows) : n > 0 ? ids.as64[0] : 0;
     int scale = (opt >> 2) & 1;
+    /* Pooled (EmbeddingBag): a gradient row per bag, each position pointing
+     * at its bag, with or without a weight; one bag index in range or not. */
+    int pooled = (opt >> 3) & 1, weighted = (opt >> 4) & 1, bad_bag = pooled && ((opt >> 5) & 3) == 0 && n > 0;
+    int64_t num_bags = pooled ? 1 + u8(r) % 9 : 0;
+    int64_t *bag_of = pooled ? xmalloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t)) : NULL;
+    float *row_weights = weighted ? xmalloc((size_t)(n > 0 ? n : 1) * sizeof(float)) : NULL;
+    for (int64_t i = 0; i < n; i++) {
+        if (bag_of)
+            bag_of[i] = u8(r) % num_bags;
+        if (row_weights)
+            row_weights[i] = any_float(r);
+    }
+    if (bad_bag)
+        bag_of[u8(r) % n] = (u8(r) & 1) ? num_bags + u8(r) : -1 - (int64_t)u8(r);
+    int64_t grad_rows = pooled ? num_bags : n;
+    float *grad = xmalloc((size_t)(grad_rows * dim) * sizeof(float));
+    for (int64_t i = 0; i < grad_rows * dim; i++)
+        grad[i] = any_float(r);
     he_dedup *d = NULL;
     REQUIRE(he_dedup_build(&ids.view, num_rows, &d) == HE_OK, "dedup of valid ids");
 
@@ -430,9 +445,13 @@ static void fuzz_grad_reduce(reader *r)
         float s = (float)(1.0 / (double)freq);
         float *acc = want_val + want_count * dim;
         for (int64_t k = start[id]; k < start[id + 1]; k++) {
-            int64_t i = pos[k];
+            int64_t i = pos[k], src = bag_of ? bag_of[i] : i;
+            if (src < 0 || src >= grad_rows)
+                src = 0; /* a bad bag: the call must refuse, this reference is not compared */
             for (int64_t j = 0; j < dim; j++) {
-                float term = scale ? grad[i * dim + j] * s : grad[i * dim + j];
+                float term = grad[src * dim + j];
+                term = row_weights ? term * row_weights[i] : term;
+                term = scale ? term * s : term;
                 acc[j] = k == start[id] ? term : acc[j] + term;
             }
         }
@@ -444,8 +463,19 @@ static void fuzz_grad_reduce(reader *r)
     float *values = xmalloc((size_t)(want_count * dim) * sizeof(float));
     int64_t *indices = xmalloc((size_t)want_count * sizeof(int64_t));
     int64_t count = -7;
-    he_reduce_opts opts = {padding, scale};
-    REQUIRE(he_grad_reduce(d, grad, dim, &opts, values, indices, &count) == HE_OK, "grad_reduce");
+    he_reduce_opts opts = {padding, scale, bag_of, row_weights, num_bags};
+    if (bad_bag) {
+        for (int64_t i = 0; i < want_count * dim; i++)
+            values[i] = 7.0f;
+        REQUIRE(he_grad_reduce(d, grad, dim, &opts, values, indices, &count) == HE_ERR_INDEX,
+                "a bag index out of range must be refused");
+        REQUIRE(count == -7, "a refused reduce set the count");
+        for (int64_t i = 0; i < want_count * dim; i++)
+            REQUIRE(values[i] == 7.0f, "a refused reduce wrote value %" PRId64, i);
+        want_count = count = 0;
+    } else {
+        REQUIRE(he_grad_reduce(d, grad, dim, &opts, values, indices, &count) == HE_OK, "grad_reduce");
+    }
     REQUIRE(count == want_count, "count %" PRId64 ", want %" PRId64, count, want_count);
     REQUIRE(memcmp(indices, want_idx, (size_t)count * sizeof(int64_t)) == 0, "indices differ");
     int64_t bad = first_mismatch(values, want_val, count * dim);
@@ -457,6 +487,8 @@ static void fuzz_grad_reduce(reader *r)
     free(want_idx);
     free(want_val);
     free(grad);
+    free(bag_of);
+    free(row_weights);
     free_ids(&ids);
 }
 
