@@ -1465,6 +1465,27 @@ static void test_sparse_adam_fused(void)
 /* Every optimizer: the fused backward gives the same bits as grad_reduce
  * then he_sparse_update (row-wise Adagrad, which needs whole rows, also
  * past the reduce's column block), and a bad table changes nothing. */
+/* Two copies (c = 0, 1) of a weight and two state tables of `rows` rows,
+ * widths[i] wide, filled with the same draws: one for the path under test,
+ * one for its reference. */
+static void twin_tables(float *mem[2][3], he_table t[2][3], int64_t rows, const int64_t widths[3])
+{
+    for (int c = 0; c < 2; c++)
+        for (int i = 0; i < 3; i++) {
+            mem[c][i] = xmalloc((size_t)(rows * widths[i]) * sizeof(float));
+            g_rng = 5 + (uint64_t)i;
+            fill_uniform(mem[c][i], rows * widths[i], i ? 0.0 : -1.0, 1.0);
+            t[c][i] = he_table_contiguous(mem[c][i], (size_t)(rows * widths[i]) * sizeof(float), rows, widths[i]);
+        }
+}
+
+static void free_twin_tables(float *mem[2][3])
+{
+    for (int c = 0; c < 2; c++)
+        for (int i = 0; i < 3; i++)
+            free(mem[c][i]);
+}
+
 static void test_sparse_update_every_optimizer(void)
 {
     group_begin();
@@ -1483,14 +1504,8 @@ static void test_sparse_update_every_optimizer(void)
             /* weight, then up to two states, twice: fused and reference. */
             float *mem[2][3];
             he_table t[2][3];
-            for (int c = 0; c < 2; c++)
-                for (int i = 0; i < 3; i++) {
-                    int64_t width = i > 0 && rule->per_row[i - 1] ? 1 : dim;
-                    mem[c][i] = xmalloc((size_t)(rows * width) * sizeof(float));
-                    g_rng = 5 + (uint64_t)i;
-                    fill_uniform(mem[c][i], rows * width, i ? 0.0 : -1.0, 1.0);
-                    t[c][i] = he_table_contiguous(mem[c][i], (size_t)(rows * width) * sizeof(float), rows, width);
-                }
+            int64_t widths[3] = {dim, rule->per_row[0] ? 1 : dim, rule->per_row[1] ? 1 : dim};
+            twin_tables(mem, t, rows, widths);
             he_optim_params hp = {.kind = kind, .lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-6,
                                   .lr_decay = 0.01, .step = 2, .maximize = (int)(dim % 2),
                                   .weight_decay = kind == HE_OPTIM_ADAM ? 0.2 : 0.0};
@@ -1518,9 +1533,7 @@ static void test_sparse_update_every_optimizer(void)
             }
             for (int i = 0; i <= rule->num_state; i++)
                 CHECK(memcmp(mem[0][i], mem[1][i], t[0][i].nbytes) == 0);
-            for (int c = 0; c < 2; c++)
-                for (int i = 0; i < 3; i++)
-                    free(mem[c][i]);
+            free_twin_tables(mem);
             free(values);
             free(indices);
             free(ids);
@@ -1593,13 +1606,7 @@ static void test_grad_reduce_pooled(void)
         const he_optim_rule *rule = he_optim_rule_of(HE_OPTIM_ADAM);
         float *mem[2][3];
         he_table t[2][3];
-        for (int c = 0; c < 2; c++)
-            for (int i = 0; i < 3; i++) {
-                mem[c][i] = xmalloc((size_t)(rows * dim) * sizeof(float));
-                g_rng = 9 + (uint64_t)i;
-                fill_uniform(mem[c][i], rows * dim, i ? 0.0 : -1.0, 1.0);
-                t[c][i] = he_table_contiguous(mem[c][i], (size_t)(rows * dim) * sizeof(float), rows, dim);
-            }
+        twin_tables(mem, t, rows, (const int64_t[3]){dim, dim, dim});
         he_optim_params hp = {.kind = HE_OPTIM_ADAM, .lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-6,
                               .step = 3};
         he_reduce_opts pooled = {5, 1, bag_of, weights, bags};
@@ -1621,9 +1628,7 @@ static void test_grad_reduce_pooled(void)
                  HE_ERR_INDEX);
         for (int i = 0; i < 3; i++)
             CHECK(memcmp(mem[0][i], mem[1][i], t[0][i].nbytes) == 0);
-        for (int c = 0; c < 2; c++)
-            for (int i = 0; i < 3; i++)
-                free(mem[c][i]);
+        free_twin_tables(mem);
         free(values);
         free(indices);
         he_dedup_free(d);
