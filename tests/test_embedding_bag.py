@@ -226,7 +226,7 @@ BAD = [
     (dict(input=torch.tensor([1, 2, 3]), offsets=torch.tensor([0]), per_sample_weights=torch.ones(2)), ValueError,
      "per_sample_weights .* must have the same shape as the input"),
     (dict(input=torch.tensor([1, 2, 3]), offsets=torch.tensor([0]), per_sample_weights=torch.ones(3).double()),
-     RuntimeError, "per_sample_weights must have the table's dtype torch.float32, got torch.float64"),
+     RuntimeError, "per_sample_weights must be float32 or the outputs' dtype torch.float32, got torch.float64"),
     (dict(input=torch.tensor([1, 2, 60]), offsets=torch.tensor([0])), IndexError, r"id 60 at position 2"),
     (dict(input=torch.tensor([1, -1]), offsets=torch.tensor([0])), IndexError, r"id -1 at position 1"),
 ]

@@ -17,7 +17,7 @@ def check_options(mode, scale_grad_by_freq):
         raise ValueError("max mode does not support scaling the gradient by the frequency")
 
 
-def flatten(input, offsets, per_sample_weights, mode, include_last_offset):
+def flatten(input, offsets, per_sample_weights, mode, include_last_offset, weights_dtype=torch.float32):
     """(ids [n], offsets [bags or bags + 1], per_sample_weights [n] or None,
     include_last_offset) from any input form torch's EmbeddingBag takes.
     Raises as torch does (ValueError, NotImplementedError, RuntimeError),
@@ -66,9 +66,12 @@ def flatten(input, offsets, per_sample_weights, mode, include_last_offset):
         )
     check_ids(offsets, WHO, "offsets")
     _check_offsets(offsets, input.numel(), include_last_offset)
-    if per_sample_weights is not None and per_sample_weights.dtype != torch.float32:
-        raise RuntimeError(f"{WHO}: per_sample_weights must have the table's dtype torch.float32, got "
-                           f"{per_sample_weights.dtype}")
+    if per_sample_weights is not None:
+        if per_sample_weights.dtype not in (torch.float32, weights_dtype):
+            raise RuntimeError(f"{WHO}: per_sample_weights must be float32 or the outputs' dtype "
+                               f"{weights_dtype}, got {per_sample_weights.dtype}")
+        # Pooled in float32; its gradient goes back in the caller's dtype.
+        per_sample_weights = per_sample_weights.to(torch.float32)
     return input, offsets, per_sample_weights, include_last_offset
 
 

@@ -73,6 +73,9 @@ class HostTableModule:
         self.embedding_dim = embedding_dim
         self.sparse = sparse
         self._output_device = torch.device("cpu") if device is None else torch.device(device)
+        # What module casts (.half(), .double(), .to(dtype)) change: the
+        # outputs' dtype. The table itself stays float32.
+        self._output_dtype = torch.float32
         if self._output_device.type == "cuda":
             require_cuda(f"{name}(device={str(self._output_device)!r})")
 
@@ -93,6 +96,16 @@ class HostTableModule:
             read_rows(source, self.weight.data, progress=progress)
         else:
             copy_rows(self.weight.data, source.detach(), progress=progress)
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """The dtype of forward's outputs: float32 until a module cast
+        (``.half()``, ``.double()``, ``.to(dtype)``) changes it. The table
+        stays float32; gradients come back to it in float32."""
+        return self._output_dtype
+
+    def _cast_output(self, out):
+        return out if self._output_dtype == torch.float32 else out.to(self._output_dtype)
 
     @property
     def output_device(self) -> torch.device:
@@ -186,10 +199,12 @@ class HostTableModule:
         # .to()/.cuda()/.cpu()/.half() arrive here as fn over every tensor.
         # Moving a 50 GB table to the GPU is exactly what this module exists
         # to avoid: see where fn would send a tensor and send outputs there.
-        # The probe starts where outputs go now, so that a dtype-only cast
-        # (model.cuda().half()) keeps them there.
+        # The probe starts where outputs go now, in their dtype, so that a
+        # dtype-only cast (model.cuda().half()) keeps them there and a
+        # device-only move keeps their dtype.
         try:
-            device = fn(torch.empty(0, device=self._output_device)).device
+            probe = fn(torch.empty(0, device=self._output_device, dtype=self._output_dtype))
+            device = probe.device
         except (AssertionError, RuntimeError) as exc:
             # Only a move to a device torch cannot use fails on an empty
             # tensor: say why in hostembed's words.
@@ -201,6 +216,8 @@ class HostTableModule:
         if device.type == "cuda":
             require_cuda(f"{self._get_name()} outputs on {device}")
         self._output_device = device
+        if probe.is_floating_point():
+            self._output_dtype = probe.dtype
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -263,5 +280,6 @@ class HostTableModule:
 
     def extra_repr(self) -> str:
         # torch's options, then where the table and the outputs are.
-        return f"{super().extra_repr()}, table in host memory, outputs on {self._output_device}"
+        dtype = "" if self._output_dtype == torch.float32 else f"{str(self._output_dtype).split('.')[-1]} "
+        return f"{super().extra_repr()}, table in host memory, outputs {dtype}on {self._output_device}"
 

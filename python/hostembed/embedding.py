@@ -21,8 +21,11 @@ class Embedding(HostTableModule, nn.Embedding):
       With outputs on a GPU (and the extension built with CUDA), lookups run
       on the GPU: ids may be on the CPU or the GPU, rows are read straight
       from the pinned table, and gradients are reduced on the GPU.
-    * The table is always float32; ``dtype`` other than float32 is refused and
-      ``.half()``-style casts of a model leave it float32.
+    * The table is always float32; ``dtype`` other than float32 is refused.
+      Module casts (``.half()``, ``.bfloat16()``, ``.double()``,
+      ``.to(dtype)``) leave the table float32 and make the outputs that
+      dtype (``output_dtype``), so the rest of a cast model gets what it
+      expects; the gradient comes back to the table in float32.
     * ``scale_grad_by_freq`` works with sparse gradients too.
 
     It is a subclass of ``torch.nn.Embedding``, so code that recognises
@@ -54,7 +57,7 @@ class Embedding(HostTableModule, nn.Embedding):
         out = (_lookup_gpu if gpu else _lookup_cpu).lookup(self, input)
         if not compiling:
             self._last_lookup_path = "gpu" if gpu else "cpu"
-        return out
+        return self._cast_output(out)
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Starts gathering the rows of `ids` in the background, for the next

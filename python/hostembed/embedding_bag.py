@@ -30,7 +30,8 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
     Differences from torch, as for hostembed.Embedding: ``sparse=True`` by
     default (and allowed with mode ``"max"``, which torch refuses); the
     table stays in host memory and ``device`` / ``.to()`` move the outputs;
-    the table is float32; an input with offsets that decrease raises
+    the table is float32 (module casts change the outputs' dtype, and bags
+    are pooled in float32 then cast); an input with offsets that decrease raises
     RuntimeError (torch may read out of bounds).
     """
 
@@ -51,7 +52,7 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
     def forward(self, input, offsets=None, per_sample_weights=None):
         _bags.check_options(self.mode, self.scale_grad_by_freq)
         ids, offsets, per_sample_weights, include_last_offset = _bags.flatten(
-            input, offsets, per_sample_weights, self.mode, self.include_last_offset)
+            input, offsets, per_sample_weights, self.mode, self.include_last_offset, self._output_dtype)
         compiling = torch.compiler.is_compiling()
         if not compiling:
             self._prepare_weight()
@@ -64,7 +65,7 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
                 include_last_offset, padding_idx, _max_norm(self), float(self.norm_type), self.scale_grad_by_freq,
                 self.sparse)
             self._last_lookup_path = "cpu"
-            return out.to(self._output_device)
+            return self._cast_output(out.to(self._output_device))
         unique, inverse = self._unique(ids, gpu, compiling)
         # Each distinct row once, renormed (max_norm) and range-checked by
         # the lookup; its backward sums the rows' gradients into the table's.
@@ -81,10 +82,10 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
             rows.register_hook(lambda grad: grad / counts.unsqueeze(1))
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.to(device)
-        return F.embedding_bag(inverse, rows, offsets.to(device), mode=self.mode, sparse=False,
-                               per_sample_weights=per_sample_weights,
-                               include_last_offset=include_last_offset,
-                               padding_idx=_bag_cpu.padding_row(unique, padding_idx))
+        return self._cast_output(F.embedding_bag(inverse, rows, offsets.to(device), mode=self.mode, sparse=False,
+                                                 per_sample_weights=per_sample_weights,
+                                                 include_last_offset=include_last_offset,
+                                                 padding_idx=_bag_cpu.padding_row(unique, padding_idx)))
 
     def _unique(self, ids, gpu, compiling):
         """(unique ids, inverse): by the core's sort for CPU ids, by torch's
