@@ -10,7 +10,10 @@ order rotated each round, and freed before the next group:
     is held to;
   * the bag group: hostembed.EmbeddingBag against torch.nn.EmbeddingBag
     (sparse=True), both with SparseAdam, on the same ids in bags;
-  * every hostembed optimizer also with fused=True (its update in backward).
+  * every hostembed optimizer also with fused=True (its update in backward);
+  * where fbgemm-gpu-cpu is installed, FBGEMM's table-batched embedding with
+    EXACT_ROWWISE_ADAGRAD (its CPU has no Adam), plain and in bags, against
+    hostembed's RowWiseAdagrad, the same formula.
 A step is forward -> backward(fixed gradient) -> step() -> zero_grad().
 State bytes are the optimizer state's tensors as allocated. The host copy
 bandwidth is measured in the same run, and each hostembed contender's
@@ -18,7 +21,9 @@ traffic (a model: the gather reads and writes each looked-up row, the
 update reads and writes each updated row and its state and reads its
 gradient) is reported as a fraction of it.
 
-Usage (after `pip install .`): python benchmarks/cpu_breadth.py [--rows 1000000 ...]
+Usage (after `pip install .`; `pip install fbgemm-gpu-cpu==1.8.0`, which
+matches torch 2.13, adds the FBGEMM contenders):
+    python benchmarks/cpu_breadth.py [--rows 1000000 ...]
 """
 import argparse
 import gc
@@ -33,6 +38,8 @@ from _common import (RESULTS_DIR, OtherLoad, copy_bandwidth, fail, fmt_ms, log, 
 hostembed = require_hostembed()
 
 YARDSTICK = "hostembed SparseAdam"
+FBGEMM_ROWWISE = "FBGEMM TBE, EXACT_ROWWISE_ADAGRAD"
+FBGEMM_ROWWISE_BAG = "FBGEMM TBE (SUM), EXACT_ROWWISE_ADAGRAD"
 # Bytes each updated element moves: weight read + written, gradient read,
 # each state element read + written (SGD: none; Adagrad: sum; Adam: m, v;
 # row-wise Adagrad: one value a row, left out).
@@ -86,11 +93,18 @@ def bag(cls, fused=False):
     return make
 
 
+def rowwise_bag(fused):
+    def make(args):
+        module = hostembed.EmbeddingBag(args.rows, args.dim, mode="sum")
+        return module, hostembed.RowWiseAdagrad(module.parameters(), lr=0.01, fused=fused)
+    return make
+
+
 def groups():
-    """{group: ({contender: make}, the contender checked against, its
-    torch twin or None, bags?)}."""
+    """{group: ({contender: make}, the contender checked, its reference
+    (torch's, or FBGEMM's) or None, bags?)}."""
     adam = host(hostembed.SparseAdam, lr=1e-3)
-    return {
+    specs = {
         "SGD": ({"hostembed SGD": host(hostembed.SGD, lr=0.01),
                  "hostembed SGD(fused=True)": host(hostembed.SGD, lr=0.01, fused=True),
                  "torch SGD": torch_sparse(torch.optim.SGD, lr=0.01), YARDSTICK: adam},
@@ -112,6 +126,75 @@ def groups():
                                "torch EmbeddingBag + SparseAdam": bag(torch.nn.EmbeddingBag)},
                               "hostembed EmbeddingBag + SparseAdam", "torch EmbeddingBag + SparseAdam", True),
     }
+    if fbgemm_available():
+        rowwise = specs["RowWiseAdagrad"][0]
+        rowwise[FBGEMM_ROWWISE] = fbgemm(False)
+        specs["RowWiseAdagrad"] = (rowwise, "hostembed RowWiseAdagrad", FBGEMM_ROWWISE, False)
+        specs["EmbeddingBag(sum) + row-wise Adagrad"] = (
+            {"hostembed EmbeddingBag + RowWiseAdagrad": rowwise_bag(False),
+             "hostembed EmbeddingBag + RowWiseAdagrad(fused=True)": rowwise_bag(True),
+             FBGEMM_ROWWISE_BAG: fbgemm(True)},
+            "hostembed EmbeddingBag + RowWiseAdagrad", FBGEMM_ROWWISE_BAG, True)
+    return specs
+
+
+class FbgemmTable(torch.nn.Module):
+    """FBGEMM's table-batched embedding (one table in host memory, CPU
+    compute) behind the benchmark's module(ids) call: rows (pooling NONE)
+    or bags (SUM) of the ids' last dimension. Its row-wise Adagrad update
+    runs in backward."""
+
+    def __init__(self, rows, dim, bags, lr):
+        super().__init__()
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
+                                                                            SplitTableBatchedEmbeddingBagsCodegen)
+        self.bags = bags
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=lr, eps=1e-10,
+            pooling_mode=PoolingMode.SUM if bags else PoolingMode.NONE)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(rows, dim))  # hostembed's and torch's N(0, 1) draws
+
+    @property
+    def weight(self):
+        return self.tbe.split_embedding_weights()[0]
+
+    def forward(self, ids):
+        flat = ids.reshape(-1)
+        size = ids.shape[-1] if self.bags else 1
+        return self.tbe(flat, torch.arange(0, flat.numel() + 1, size))
+
+
+class UpdatedInBackward:
+    """The optimizer of a table FBGEMM updates in backward: step() and
+    zero_grad() have nothing to do; state lists its momentum tensors."""
+
+    def __init__(self, table):
+        self.state = {"momentum": {name: t for name, t in table.tbe.named_parameters() if name.startswith("momentum")}}
+
+    def step(self):
+        pass
+
+    def zero_grad(self):
+        pass
+
+
+def fbgemm(bags):
+    def make(args):
+        table = FbgemmTable(args.rows, args.dim, bags, lr=0.01)
+        return table, UpdatedInBackward(table)
+    return make
+
+
+def fbgemm_available():
+    try:
+        import fbgemm_gpu
+        return fbgemm_gpu is not None
+    except Exception:  # not installed, or built for another torch
+        return False
 
 
 def state_bytes(opt):
@@ -143,7 +226,7 @@ def run_group(args, name, spec, batches):
     if checked is not None:
         ours, theirs = built[checked][0].weight.detach(), built[twin][0].weight.detach()
         if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5):
-            fail(f"{name}: after {len(warm)} steps hostembed's weights differ from torch's by "
+            fail(f"{name}: after {len(warm)} steps hostembed's weights differ from {twin}'s by "
                  f"{(ours - theirs).abs().max().item():.3g}; not timing a wrong result")
     other_load = OtherLoad()
     names = list(built)
@@ -157,7 +240,7 @@ def run_group(args, name, spec, batches):
         contenders[n]["state_bytes"] = state_bytes(built[n][1])
     del built
     gc.collect()
-    return {"contenders": contenders, "checked": checked, "torch": twin,
+    return {"contenders": contenders, "checked": checked, "reference": twin,
             "cpu_fraction_used_by_others": other_load.fraction()}
 
 
@@ -175,19 +258,20 @@ def print_report(args, report):
     print(f"\nN={args.rows:,} x D={args.dim}, B={args.batch:,} Zipf({args.alpha}) ids "
           f"({report['unique_mean']:,.0f} unique on average), {args.threads} threads; bags of {args.bag}; median "
           f"of {args.steps} interleaved rounds; host copy bandwidth {copy_bps / 1e9:.1f} GB/s\n")
-    print("| group | contender | ms/step | vs torch | vs hostembed SparseAdam | of copy bandwidth | state |")
+    print("| group | contender | ms/step | vs reference | vs hostembed SparseAdam | of copy bandwidth | state |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for group, result in report["groups"].items():
         contenders = result["contenders"]
-        torch_ms = contenders[result["torch"]]["median_ms"] if result["torch"] else None
+        reference_ms = contenders[result["reference"]]["median_ms"] if result["reference"] else None
         yard = contenders.get(YARDSTICK, {}).get("median_ms")
         for n, r in contenders.items():
             ms = r["median_ms"]
             ours = n.startswith("hostembed")
-            vs_torch = f"{torch_ms / ms:.2f}x" if torch_ms and ours and n.split("(")[0] == result["checked"] else ""
+            vs_reference = (f"{reference_ms / ms:.2f}x" if reference_ms and ours
+                            and n.split("(")[0] == result["checked"] else "")
             vs_yard = f"{yard / ms:.2f}x" if yard and ours and n != YARDSTICK else ""
             share = f"{r['traffic_bytes'] / (ms / 1e3) / copy_bps:.0%}" if ours else ""
-            print(f"| {group} | {n} | {fmt_ms(ms)} | {vs_torch} | {vs_yard} | {share} | "
+            print(f"| {group} | {n} | {fmt_ms(ms)} | {vs_reference} | {vs_yard} | {share} | "
                   f"{r['state_bytes'] / 2**20:.1f} MiB |")
     others = [r["cpu_fraction_used_by_others"] for r in report["groups"].values()]
     known = [o for o in others if o is not None]
