@@ -9,6 +9,12 @@ vectorised sqrt is not always correctly rounded); only the hyperparameters
 that make a sparse step touch every row are refused for host tables (the
 classes say why).
 Any other parameter is updated by torch's own step.
+
+``fused=True`` (torch's argument for SGD and Adagrad, keyword-only for
+RowWiseAdagrad) applies a host table's update in backward, from the
+lookup's output gradient, as SparseAdam(fused=True) does (_fused.py): the
+same bits, no weight.grad, step() after each backward. For other
+parameters it keeps torch's meaning (its fused kernels).
 """
 import torch
 
