@@ -83,12 +83,17 @@ def position_weights(ids, offsets, per_sample_weights, mode, include_last_offset
     starts = offsets[:-1] if include_last_offset else offsets
     if starts.numel() == 0:
         return torch.zeros(count, dtype=torch.int64), torch.zeros(count)
-    ends = offsets[1:] if include_last_offset else torch.cat([offsets[1:], offsets.new_tensor([count])])
-    bag_of = torch.repeat_interleave(torch.arange(starts.numel()), (ends - starts).to(torch.int64))
-    covered = bag_of.numel()
+    # Each bag's start marks the position where the bag index steps up (an
+    # empty bag's start coincides with the next one: a step of 2): a
+    # cumulative sum, several times faster than repeat_interleave here.
+    # offsets[0] is 0, so no position comes before the first bag.
+    marks = torch.zeros(count + 1, dtype=torch.int64)
+    marks.index_add_(0, starts.to(torch.int64), torch.ones(starts.numel(), dtype=torch.int64))
+    bag_of = torch.cumsum(marks[:count], 0).sub_(1)
+    covered = int(offsets[-1]) if include_last_offset else count
     in_bag = None
     if covered < count:
-        bag_of = torch.cat([bag_of, bag_of.new_zeros(count - covered)])
+        # Positions after the last bag: bag_of points at it, the weight is 0.
         in_bag = torch.zeros(count)
         in_bag[:covered] = 1
     if padding_idx >= 0:
