@@ -269,7 +269,8 @@ static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject
                                      &heb_dedup_type, &dedup, heb_address_converter, &grad, &padding_idx, &scale,
                                      &hp.kind, heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows,
                                      &dim, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize,
-                                     &hp.weight_decay, heb_address_converter, &bag_of, heb_address_converter, &row_weights, &num_bags))
+                                     &hp.weight_decay, heb_address_converter, &bag_of, heb_address_converter,
+                                     &row_weights, &num_bags))
         return NULL;
     hp.step = step;
     hp.maximize = maximize;
@@ -303,7 +304,8 @@ static PyMethodDef heb_cpu_methods[] = {
      "max_norm in place on the unique rows of dedup (a Dedup built for num_rows) of the table's HostBuffer"},
     {"sparse_update_fused", HEB_KW_FUNC(heb_sparse_update_fused), METH_VARARGS | METH_KEYWORDS,
      "sparse_update_fused($module, /, *, dedup, grad, padding_idx, scale_grad_by_freq, kind, weight, state, "
-     "num_rows, dim, lr, beta1, beta2, eps, lr_decay, step, maximize, weight_decay, bag_of, row_weights, num_bags)\n--\n\n"
+     "num_rows, dim, lr, beta1, beta2, eps, lr_decay, step, maximize, weight_decay, bag_of, row_weights, "
+     "num_bags)\n--\n\n"
      "grad_reduce of grad ([dedup.count, dim] rows) fed straight into the optimizer's row update: the same "
      "bits as the two calls, without writing the sums out"},
     {"sparse_update", HEB_KW_FUNC(heb_sparse_update), METH_VARARGS | METH_KEYWORDS,

@@ -123,8 +123,8 @@ static he_status reduce(const he_dedup *d, const float *grad, int64_t dim, const
                                opts->bag_of[p], opts->num_bags);
     }
     int64_t skip_at = opts->padding_idx >= 0 ? find_unique(d, opts->padding_idx) : -1;
-    reduce_job job = {d,         grad,       dim,        skip_at, opts->scale_grad_by_freq, opts->bag_of,
-                      opts->row_weights, out_values, out_indices, update};
+    reduce_job job = {d, grad, dim, skip_at, opts->scale_grad_by_freq, opts->bag_of, opts->row_weights,
+                      out_values, out_indices, update};
     st = he_parallel_for(d->num_unique, grain, reduce_range, &job);
     if (st == HE_OK && out_count)
         *out_count = d->num_unique - (skip_at >= 0);

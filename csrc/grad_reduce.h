@@ -18,9 +18,9 @@ typedef struct he_reduce_opts {
     int64_t num_bags;          /* rows of grad when bag_of is set */
 } he_reduce_opts;
 
-/* grad: [d->count, dim] rows in the batch's order (or [num_bags, dim]
- * with opts->bag_of). Writes the coalesced
- * sparse gradient: out_indices[k] ascending and out_values[k, :] for every
+/* grad: [d->count, dim] rows in the batch's order (or [num_bags, dim] with
+ * opts->bag_of). Writes the coalesced sparse gradient: out_indices[k]
+ * ascending and out_values[k, :] for every
  * unique id except padding_idx; *out_count says how many (num_unique, or one
  * less). Each sum runs over its positions in ascending order, whatever the
  * thread count. Used both for backward and to coalesce a user's sparse

@@ -16,8 +16,9 @@ from .optimizers import SGD, Adagrad, RowWiseAdagrad
 from .replace import replace_embeddings
 
 __version__ = "0.1.0"
-__all__ = ["Embedding", "EmbeddingBag", "SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad", "IdDtypeError", "save", "load", "replace_embeddings", "set_num_threads",
-           "get_num_threads", "empty_cache", "cuda_available", "cuda_compiled", "clip_grad_norm_"]
+__all__ = ["Embedding", "EmbeddingBag", "SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad", "IdDtypeError", "save",
+           "load", "replace_embeddings", "set_num_threads", "get_num_threads", "empty_cache", "cuda_available",
+           "cuda_compiled", "clip_grad_norm_"]
 
 
 def set_num_threads(n: int) -> None:
