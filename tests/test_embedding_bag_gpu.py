@@ -67,6 +67,29 @@ def test_trains_like_torch_with_sparse_adam(mode, options):
             module(ids, offsets, per_sample_weights=weights).sin().sum().backward()
             optimizer.step()
         assert_kernel_path(ours, opt if options.get("update") == "gpu" else None)
+        # Fused with GPU outputs, the update runs on the GPU too (no copy of
+        # the gradient to the host).
+        assert opt._last_update == ("cpu" if options.get("update") == "cpu" else "gpu")
     if options.get("fused"):
         assert ours.weight.grad is None
     torch.testing.assert_close(ours.weight, ref.weight.cpu(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_int32_2d_input_scale_grad_by_freq_and_max_norm_on_the_gpu(mode):
+    # 2-D CUDA int32 input (int32 unique ids and offsets), the frequency
+    # hook on the GPU, and max_norm renorming the rows in place.
+    ref, ours = gpu_bag_pair(mode, scale_grad_by_freq=True, max_norm=1.0, padding_idx=3)
+    gen = torch.Generator().manual_seed(2)
+    ids = zipf_ids(NUM_ROWS, 240, generator=gen).view(30, 8).to(torch.int32)
+    ids[::4, 0] = 3
+    out_ref = ref(ids.cuda())
+    out = ours(ids.cuda())
+    assert_kernel_path(ours)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.weight, ref.weight.detach().cpu(), rtol=0, atol=1e-6)
+    grad_out = torch.linspace(-1, 1, out.numel(), device="cuda").view(out.shape)
+    out_ref.backward(grad_out)
+    out.backward(grad_out)
+    # torch's CUDA kernel divides by each id's own count, as hostembed does.
+    torch.testing.assert_close(ours.weight.grad.to_dense(), ref.weight.grad.cpu(), rtol=1e-5, atol=1e-5)

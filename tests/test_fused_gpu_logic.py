@@ -61,10 +61,11 @@ def gpu_on_cpu(monkeypatch):
 
     eager = _ops._eager_autograd(lookup_on_cpu, _ops._gpu_lookup_setup, _ops._gpu_lookup_backward(grad_reduce, True))
 
-    def lookup(module, ids):
+    def lookup(module, ids, scale_grad_by_freq=None):
         padding = -1 if module.padding_idx is None else module.padding_idx
-        return eager.apply(module.weight, module._table.handle, ids, None, padding, None, 2.0,
-                           module.scale_grad_by_freq, module.sparse)[0]
+        scale = module.scale_grad_by_freq if scale_grad_by_freq is None else scale_grad_by_freq
+        return eager.apply(module.weight, module._table.handle, ids, None, padding, None, 2.0, scale,
+                           module.sparse)[0]
 
     monkeypatch.setattr(_ops, "gpu_reduce", reduce)
     monkeypatch.setattr(_ops, "gpu_adam_update", gpu_adam)

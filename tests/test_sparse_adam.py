@@ -263,3 +263,10 @@ def test_weight_decay_refusals():
     with pytest.raises(ValueError, match=r"param_groups\[1\]: weight_decay=0.5 applies to hostembed tables only"):
         opt.load_state_dict(state)
     assert opt.param_groups[1]["weight_decay"] == 0.0
+    # Edited by hand after construction: refused at the step, nothing changed.
+    opt.param_groups[0]["weight_decay"] = float("nan")
+    emb(torch.tensor([1, 2])).sum().backward()
+    before = emb.weight.detach().clone()
+    with pytest.raises(ValueError, match="Invalid weight_decay value: nan"):
+        opt.step()
+    assert torch.equal(emb.weight, before)

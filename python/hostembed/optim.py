@@ -220,6 +220,9 @@ class SparseAdam(torch.optim.SparseAdam):
 
     @staticmethod
     def _hyper(group, step):
+        # Checked at every step, as the core checks it: a group edited by
+        # hand must not reach the GPU kernel, which takes it as it comes.
+        _check_weight_decay({"weight_decay": group.get("weight_decay", 0.0), "params": []}, "SparseAdam")
         beta1, beta2 = group["betas"]
         return {"lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
                 "eps": float(group["eps"]), "step": step, "maximize": bool(group.get("maximize", False)),
