@@ -41,8 +41,8 @@ class PooledLookup(torch.autograd.Function):
         ids, offsets, per_sample_weights, inverse, rows = ctx.saved_tensors
         mode, include_last_offset, padding_idx, scale_grad_by_freq, sparse = ctx.spec
         num_rows, dim = ctx.table_shape
-        bag_of, row_weights = position_weights(ids, offsets, per_sample_weights, mode, include_last_offset,
-                                               padding_idx)
+        bag_of, counted, bags = positions(ids, offsets, include_last_offset, padding_idx)
+        row_weights = gradient_weights(bag_of, counted, bags, per_sample_weights, mode)
         grad_out = grad_out.contiguous()
         if grad_out.shape[0] == 0:  # no bags: every position's gradient is 0
             grad_out = grad_out.new_zeros(1, dim)
@@ -50,10 +50,9 @@ class PooledLookup(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             # d out[b] / d w[p] = <grad_out[b], row of ids[p]>: 0 outside
             # every bag and at padding, as torch gives.
-            keep = position_weights(ids, offsets, None, "sum", include_last_offset, padding_idx)[1]
             weights_grad = (grad_out.index_select(0, bag_of) * rows.index_select(0, inverse)).sum(1)
-            if keep is not None:
-                weights_grad.mul_(keep)
+            if counted is not None:
+                weights_grad.mul_(counted)
         grad = None
         if ctx.needs_input_grad[0]:
             table, pooling = ctx.table, _fused.Pooling(bag_of, row_weights)
@@ -73,16 +72,16 @@ def padding_row(unique, padding_idx):
     return at if at < unique.numel() and int(unique[at]) == padding_idx else None
 
 
-def position_weights(ids, offsets, per_sample_weights, mode, include_last_offset, padding_idx):
-    """(bag_of, row_weights): each position's bag, and the factor of its
-    gradient (None: all 1). Positions in no bag (after the last one, with
-    include_last_offset; every position when there are no bags) get bag 0
-    and factor 0; padding positions get 0 (the reduce leaves padding_idx out
-    anyway) and do not count in a mean."""
+def positions(ids, offsets, include_last_offset, padding_idx):
+    """(bag_of, counted, bags): each position's bag; which positions count
+    (a 0/1 float mask, None: all), 0 for those in no bag (after the last
+    one, with include_last_offset; every position when there are no bags,
+    which point at bag 0) and for padding (the reduce leaves padding_idx out
+    anyway, and a mean does not count it); the number of bags."""
     count = ids.numel()
     starts = offsets[:-1] if include_last_offset else offsets
     if starts.numel() == 0:
-        return torch.zeros(count, dtype=torch.int64), torch.zeros(count)
+        return torch.zeros(count, dtype=torch.int64), torch.zeros(count), 0
     # Each bag's start marks the position where the bag index steps up (an
     # empty bag's start coincides with the next one: a step of 2): a
     # cumulative sum, several times faster than repeat_interleave here.
@@ -91,20 +90,26 @@ def position_weights(ids, offsets, per_sample_weights, mode, include_last_offset
     marks.index_add_(0, starts.to(torch.int64), torch.ones(starts.numel(), dtype=torch.int64))
     bag_of = torch.cumsum(marks[:count], 0).sub_(1)
     covered = int(offsets[-1]) if include_last_offset else count
-    in_bag = None
+    counted = None
     if covered < count:
         # Positions after the last bag: bag_of points at it, the weight is 0.
-        in_bag = torch.zeros(count)
-        in_bag[:covered] = 1
+        counted = torch.zeros(count)
+        counted[:covered] = 1
     if padding_idx >= 0:
         not_padding = (ids != padding_idx).to(torch.float32)
-        in_bag = not_padding if in_bag is None else in_bag * not_padding
+        counted = not_padding if counted is None else counted * not_padding
+    return bag_of, counted, starts.numel()
+
+
+def gradient_weights(bag_of, counted, bags, per_sample_weights, mode):
+    """Each position's gradient factor (None: all 1): its per-sample weight,
+    or 1 / its bag's counted size for a mean, times the `counted` mask."""
     if per_sample_weights is not None:
-        weights = per_sample_weights if in_bag is None else per_sample_weights * in_bag
-    elif mode == "mean":
-        counted = torch.ones(count) if in_bag is None else in_bag
-        size = torch.zeros(starts.numel()).index_add_(0, bag_of, counted)
+        weights = per_sample_weights if counted is None else per_sample_weights * counted
+    elif mode == "mean" and bags:
+        counted = torch.ones(bag_of.numel()) if counted is None else counted
+        size = torch.zeros(bags).index_add_(0, bag_of, counted)
         weights = counted / size.clamp_(min=1).index_select(0, bag_of)
     else:
-        weights = in_bag
-    return bag_of, None if weights is None else weights.contiguous()
+        weights = counted
+    return None if weights is None else weights.contiguous()

@@ -19,7 +19,8 @@ def check_options(mode, scale_grad_by_freq):
 
 def flatten(input, offsets, per_sample_weights, mode, include_last_offset, weights_dtype=torch.float32):
     """(ids [n], offsets [bags or bags + 1], per_sample_weights [n] or None,
-    include_last_offset) from any input form torch's EmbeddingBag takes.
+    include_last_offset) from any input form torch's EmbeddingBag takes
+    (mode already checked by check_options).
     Raises as torch does (ValueError, NotImplementedError, RuntimeError),
     and also where torch reads out of bounds or says nothing useful
     (offsets that decrease, ids that are not int32/int64)."""
@@ -58,7 +59,6 @@ def flatten(input, offsets, per_sample_weights, mode, include_last_offset, weigh
             raise ValueError("offsets has to be a 1D Tensor")
     else:
         raise ValueError(f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}")
-    check_options(mode, False)
     if per_sample_weights is not None and mode != "sum":
         raise NotImplementedError(
             "embedding_bag: per_sample_weights was not None. per_sample_weights is only supported for "

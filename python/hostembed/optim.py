@@ -222,11 +222,10 @@ class SparseAdam(torch.optim.SparseAdam):
     def _hyper(group, step):
         # Checked at every step, as the core checks it: a group edited by
         # hand must not reach the GPU kernel, which takes it as it comes.
-        _check_weight_decay({"weight_decay": group.get("weight_decay", 0.0), "params": []}, "SparseAdam")
         beta1, beta2 = group["betas"]
         return {"lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
                 "eps": float(group["eps"]), "step": step, "maximize": bool(group.get("maximize", False)),
-                "weight_decay": float(group.get("weight_decay", 0.0))}
+                "weight_decay": _weight_decay_of(group, "SparseAdam")}
 
     def _table_state(self, p, table):
         """(exp_avg, exp_avg_sq, step) of a host table: new zeroed buffers
@@ -271,13 +270,19 @@ class SparseAdam(torch.optim.SparseAdam):
         plan.install()
 
 
+def _weight_decay_of(group, where):
+    """The group's weight_decay (0 when absent) as a float, checked >= 0."""
+    decay = group.get("weight_decay", 0.0)
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not decay >= 0:
+        raise ValueError(f"{where}: Invalid weight_decay value: {decay!r}")
+    return float(decay)
+
+
 def _check_weight_decay(group, where):
     """weight_decay (the decoupled, lazy decay of the rows each step
     updates) is >= 0, and not 0 only for a group of hostembed tables: torch's
     SparseAdam, which updates the other parameters, has none."""
-    decay = group.get("weight_decay", 0.0)
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not decay >= 0:
-        raise ValueError(f"{where}: Invalid weight_decay value: {decay!r}")
+    decay = _weight_decay_of(group, where)
     if decay and any(table_of(p) is None for p in group["params"]):
         raise ValueError(f"{where}: weight_decay={decay!r} applies to hostembed tables only (torch's SparseAdam, "
                          "which updates the other parameters, has no weight decay); put them in a group with "
