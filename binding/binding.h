@@ -59,7 +59,7 @@ int heb_buffer_converter(PyObject *obj, void *out);
 /* The core's view of a [num_rows, dim] row-major float32 table over the
  * buffer, checked with he_table_check (the shape must fit the buffer's
  * bytes): 0, or -1 with ValueError set naming the argument. */
-int heb_buffer_table(const heb_buffer *buf, long long num_rows, long long dim, he_table *out);
+int heb_buffer_table(const heb_buffer *buf, long long num_rows, long long dim, int dtype, he_table *out);
 
 /* Registration, called once from PyInit__C: each adds its types and
  * functions to the module; 0 on success, -1 with an exception set. */

@@ -107,23 +107,23 @@ static PyTypeObject heb_dedup_type = {
 static PyObject *heb_gather(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
-    static char *kwlist[] = {"table", "num_rows", "dim", "ids", "count", "ids_int64", "out", NULL};
+    static char *kwlist[] = {"table", "num_rows", "dim", "dtype", "ids", "count", "ids_int64", "out", NULL};
     HEB_BUFFER(table);
     HEB_ADDRESS(ids);
     HEB_ADDRESS(out);
     long long num_rows, dim, count;
-    int ids_int64;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LLO&LpO&:gather", kwlist, heb_buffer_converter, &table,
-                                     &num_rows, &dim, heb_address_converter, &ids, &count, &ids_int64,
+    int ids_int64, dtype;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LLiO&LpO&:gather", kwlist, heb_buffer_converter, &table,
+                                     &num_rows, &dim, &dtype, heb_address_converter, &ids, &count, &ids_int64,
                                      heb_address_converter, &out))
         return NULL;
     he_table rows;
-    if (heb_buffer_table(&table, num_rows, dim, &rows) < 0)
+    if (heb_buffer_table(&table, num_rows, dim, dtype, &rows) < 0)
         return NULL;
     he_ids view = heb_make_ids(ids.ptr, count, ids_int64);
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_gather(&rows, &view, (float *)out.ptr);
+    st = he_gather(&rows, &view, out.ptr);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -134,7 +134,7 @@ static PyObject *heb_grad_reduce(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
     static char *kwlist[] = {"dedup", "grad", "dim", "padding_idx", "scale_grad_by_freq", "values", "indices",
-                             "bag_of", "row_weights", "num_bags", NULL};
+                             "bag_of", "row_weights", "num_bags", "dtype", NULL};
     heb_dedup *dedup;
     HEB_ADDRESS(grad);
     HEB_ADDRESS(values);
@@ -142,17 +142,18 @@ static PyObject *heb_grad_reduce(PyObject *mod, PyObject *args, PyObject *kwds)
     HEB_ADDRESS(bag_of);
     HEB_ADDRESS(row_weights);
     long long dim, padding_idx, num_bags;
-    int scale;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LLpO&O&O&O&L:grad_reduce", kwlist, &heb_dedup_type, &dedup,
+    int scale, dtype;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LLpO&O&O&O&Li:grad_reduce", kwlist, &heb_dedup_type, &dedup,
                                      heb_address_converter, &grad, &dim, &padding_idx, &scale,
                                      heb_address_converter, &values, heb_address_converter, &indices,
-                                     heb_address_converter, &bag_of, heb_address_converter, &row_weights, &num_bags))
+                                     heb_address_converter, &bag_of, heb_address_converter, &row_weights, &num_bags,
+                                     &dtype))
         return NULL;
-    he_reduce_opts opts = {padding_idx, scale, bag_of.ptr, row_weights.ptr, num_bags};
+    he_reduce_opts opts = {padding_idx, scale, bag_of.ptr, row_weights.ptr, num_bags, dtype};
     int64_t written = 0;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_grad_reduce(dedup->d, (const float *)grad.ptr, dim, &opts, (float *)values.ptr, (int64_t *)indices.ptr,
+    st = he_grad_reduce(dedup->d, grad.ptr, dim, &opts, values.ptr, (int64_t *)indices.ptr,
                         &written);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
@@ -166,16 +167,17 @@ static PyObject *heb_grad_reduce(PyObject *mod, PyObject *args, PyObject *kwds)
 static PyObject *heb_renorm(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
-    static char *kwlist[] = {"table", "num_rows", "dim", "dedup", "max_norm", "norm_type", NULL};
+    static char *kwlist[] = {"table", "num_rows", "dim", "dtype", "dedup", "max_norm", "norm_type", NULL};
     HEB_BUFFER(table);
     heb_dedup *dedup;
     long long num_rows, dim;
+    int dtype;
     double max_norm, norm_type;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LLO!dd:renorm", kwlist, heb_buffer_converter, &table,
-                                     &num_rows, &dim, &heb_dedup_type, &dedup, &max_norm, &norm_type))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LLiO!dd:renorm", kwlist, heb_buffer_converter, &table,
+                                     &num_rows, &dim, &dtype, &heb_dedup_type, &dedup, &max_norm, &norm_type))
         return NULL;
     he_table rows;
-    if (heb_buffer_table(&table, num_rows, dim, &rows) < 0)
+    if (heb_buffer_table(&table, num_rows, dim, dtype, &rows) < 0)
         return NULL;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
@@ -189,7 +191,7 @@ static PyObject *heb_renorm(PyObject *mod, PyObject *args, PyObject *kwds)
 /* An optimizer's tables: the weight and each state buffer of the tuple
  * (as many as the optimizer keeps, per element or per row), each checked
  * against its own buffer; the rule of hp->kind. -1 with an exception set. */
-static int heb_optim_tables(const heb_buffer *weight, PyObject *state, long long num_rows, long long dim,
+static int heb_optim_tables(const heb_buffer *weight, PyObject *state, long long num_rows, long long dim, int dtype,
                             const he_optim_params *hp, he_table *w, he_table *s, int *num_state)
 {
     const he_optim_rule *rule = he_optim_rule_of(hp->kind);
@@ -203,12 +205,12 @@ static int heb_optim_tables(const heb_buffer *weight, PyObject *state, long long
                      rule->num_state, n);
         return -1;
     }
-    if (heb_buffer_table(weight, num_rows, dim, w) < 0)
+    if (heb_buffer_table(weight, num_rows, dim, dtype, w) < 0)
         return -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         heb_buffer b = {rule->state_names[i], NULL, 0, NULL, -1};
         if (!heb_buffer_converter(PyTuple_GET_ITEM(state, i), &b) ||
-            heb_buffer_table(&b, num_rows, rule->per_row[i] ? 1 : dim, &s[i]) < 0)
+            heb_buffer_table(&b, num_rows, rule->per_row[i] ? 1 : dim, he_compute_dtype(dtype), &s[i]) < 0)
             return -1;
     }
     *num_state = (int)n;
@@ -219,29 +221,33 @@ static PyObject *heb_sparse_update(PyObject *mod, PyObject *args, PyObject *kwds
 {
     (void)mod;
     static char *kwlist[] = {"kind", "weight", "state", "num_rows", "dim", "indices", "values", "nnz", "lr",
-                             "beta1", "beta2", "eps", "lr_decay", "step", "maximize", "weight_decay", NULL};
+                             "beta1", "beta2", "eps", "lr_decay", "step", "maximize", "weight_decay", "dtype",
+                             "stochastic_rounding", "seed", NULL};
     HEB_BUFFER(weight);
     PyObject *state;
     HEB_ADDRESS(indices);
     HEB_ADDRESS(values);
     long long num_rows, dim, nnz, step;
+    unsigned long long seed;
     he_optim_params hp = {0};
-    int maximize;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$iO&O!LLO&O&LdddddLpd:sparse_update", kwlist, &hp.kind,
+    int maximize, dtype, stochastic;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$iO&O!LLO&O&LdddddLpdipK:sparse_update", kwlist, &hp.kind,
                                      heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows, &dim,
                                      heb_address_converter, &indices, heb_address_converter, &values, &nnz, &hp.lr,
                                      &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize,
-                                     &hp.weight_decay))
+                                     &hp.weight_decay, &dtype, &stochastic, &seed))
         return NULL;
     hp.step = step;
     hp.maximize = maximize;
+    hp.stochastic_rounding = stochastic;
+    hp.seed = seed;
     he_table w, s[HE_OPTIM_MAX_STATE];
     int num_state;
-    if (heb_optim_tables(&weight, state, num_rows, dim, &hp, &w, s, &num_state) < 0)
+    if (heb_optim_tables(&weight, state, num_rows, dim, dtype, &hp, &w, s, &num_state) < 0)
         return NULL;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_sparse_update(&hp, &w, s, num_state, (const int64_t *)indices.ptr, (const float *)values.ptr, nnz);
+    st = he_sparse_update(&hp, &w, s, num_state, (const int64_t *)indices.ptr, values.ptr, nnz);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -255,7 +261,8 @@ static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject
     (void)mod;
     static char *kwlist[] = {"dedup", "grad", "padding_idx", "scale_grad_by_freq", "kind", "weight", "state",
                              "num_rows", "dim", "lr", "beta1", "beta2", "eps", "lr_decay", "step", "maximize",
-                             "weight_decay", "bag_of", "row_weights", "num_bags", NULL};
+                             "weight_decay", "bag_of", "row_weights", "num_bags", "dtype", "stochastic_rounding",
+                             "seed", NULL};
     heb_dedup *dedup;
     HEB_ADDRESS(grad);
     HEB_BUFFER(weight);
@@ -263,25 +270,29 @@ static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject
     HEB_ADDRESS(row_weights);
     PyObject *state;
     long long padding_idx, num_rows, dim, step, num_bags;
-    int scale, maximize;
+    unsigned long long seed;
+    int scale, maximize, dtype, stochastic;
     he_optim_params hp = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LpiO&O!LLdddddLpdO&O&L:sparse_update_fused", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LpiO&O!LLdddddLpdO&O&LipK:sparse_update_fused", kwlist,
                                      &heb_dedup_type, &dedup, heb_address_converter, &grad, &padding_idx, &scale,
                                      &hp.kind, heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows,
                                      &dim, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize,
                                      &hp.weight_decay, heb_address_converter, &bag_of, heb_address_converter,
-                                     &row_weights, &num_bags))
+                                     &row_weights, &num_bags, &dtype, &stochastic, &seed))
         return NULL;
     hp.step = step;
     hp.maximize = maximize;
+    hp.stochastic_rounding = stochastic;
+    hp.seed = seed;
     he_table w, s[HE_OPTIM_MAX_STATE];
     int num_state;
-    if (heb_optim_tables(&weight, state, num_rows, dim, &hp, &w, s, &num_state) < 0)
+    if (heb_optim_tables(&weight, state, num_rows, dim, dtype, &hp, &w, s, &num_state) < 0)
         return NULL;
-    he_reduce_opts opts = {padding_idx, scale, bag_of.ptr, row_weights.ptr, num_bags};
+    /* The gradient is in the table's compute type. */
+    he_reduce_opts opts = {padding_idx, scale, bag_of.ptr, row_weights.ptr, num_bags, he_compute_dtype(dtype)};
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_sparse_update_fused(dedup->d, (const float *)grad.ptr, &opts, &hp, &w, s, num_state);
+    st = he_sparse_update_fused(dedup->d, grad.ptr, &opts, &hp, &w, s, num_state);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -290,29 +301,31 @@ static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject
 
 static PyMethodDef heb_cpu_methods[] = {
     {"gather", HEB_KW_FUNC(heb_gather), METH_VARARGS | METH_KEYWORDS,
-     "gather($module, /, *, table, num_rows, dim, ids, count, ids_int64, out)\n--\n\n"
-     "out[i] = table[ids[i]] (table: the HostBuffer of the [num_rows, dim] rows; ValueError if they do not "
+     "gather($module, /, *, table, num_rows, dim, dtype, ids, count, ids_int64, out)\n--\n\n"
+     "out[i] = table[ids[i]] (table: the HostBuffer of the [num_rows, dim] rows of he_dtype `dtype`; ValueError if they do not "
      "fit it); IndexError (out may be written, the table never) for an id outside [0, num_rows)"},
     {"grad_reduce", HEB_KW_FUNC(heb_grad_reduce), METH_VARARGS | METH_KEYWORDS,
      "grad_reduce($module, /, *, dedup, grad, dim, padding_idx, scale_grad_by_freq, values, indices, bag_of, "
-     "row_weights, num_bags)\n--\n\n"
+     "row_weights, num_bags, dtype)\n--\n\n"
      "Sums the grad rows of each unique id of dedup into values/indices (ascending ids, padding_idx "
      "left out) -> rows written. bag_of (0: none): position p's row is grad[bag_of[p]] ([num_bags, dim] "
-     "grad), times row_weights[p] (0: none)"},
+     "grad), times row_weights[p] (0: none); grad, row_weights and values of he_dtype `dtype` (float32 or "
+     "float64)"},
     {"renorm", HEB_KW_FUNC(heb_renorm), METH_VARARGS | METH_KEYWORDS,
-     "renorm($module, /, *, table, num_rows, dim, dedup, max_norm, norm_type)\n--\n\n"
+     "renorm($module, /, *, table, num_rows, dim, dtype, dedup, max_norm, norm_type)\n--\n\n"
      "max_norm in place on the unique rows of dedup (a Dedup built for num_rows) of the table's HostBuffer"},
     {"sparse_update_fused", HEB_KW_FUNC(heb_sparse_update_fused), METH_VARARGS | METH_KEYWORDS,
      "sparse_update_fused($module, /, *, dedup, grad, padding_idx, scale_grad_by_freq, kind, weight, state, "
      "num_rows, dim, lr, beta1, beta2, eps, lr_decay, step, maximize, weight_decay, bag_of, row_weights, "
-     "num_bags)\n--\n\n"
+     "num_bags, dtype, stochastic_rounding, seed)\n--\n\n"
      "grad_reduce of grad ([dedup.count, dim] rows) fed straight into the optimizer's row update: the same "
      "bits as the two calls, without writing the sums out"},
     {"sparse_update", HEB_KW_FUNC(heb_sparse_update), METH_VARARGS | METH_KEYWORDS,
      "sparse_update($module, /, *, kind, weight, state, num_rows, dim, indices, values, nnz, lr, beta1, beta2, "
-     "eps, lr_decay, step, maximize, weight_decay)\n--\n\n"
+     "eps, lr_decay, step, maximize, weight_decay, dtype, stochastic_rounding, seed)\n--\n\n"
      "The update of optimizer `kind` (0 SparseAdam, 1 SGD, 2 Adagrad, 3 row-wise Adagrad) of rows "
-     "indices[:nnz] with grad rows values[:nnz], in place; weight: the HostBuffer of [num_rows, dim] rows, "
+     "indices[:nnz] with grad rows values[:nnz] (in the compute type of the table's he_dtype `dtype`: float64 "
+     "for float64, else float32), in place; weight: the HostBuffer of [num_rows, dim] rows, "
      "state: a tuple of the optimizer's state HostBuffers ([num_rows, dim] or [num_rows, 1] each; ValueError "
      "if they do not fit)"},
     {NULL, NULL, 0, NULL},

@@ -31,7 +31,7 @@ static int heb_device_rows(const heb_buffer *buf, long long num_rows, long long 
                            void **device_rows)
 {
     *device_rows = NULL;
-    if (heb_buffer_table(buf, num_rows, dim, host) < 0)
+    if (heb_buffer_table(buf, num_rows, dim, HE_F32, host) < 0)
         return -1;
     if (num_rows == 0 || dim == 0)
         return 0;

@@ -202,9 +202,9 @@ int heb_buffer_converter(PyObject *obj, void *out)
     return 1;
 }
 
-int heb_buffer_table(const heb_buffer *buf, long long num_rows, long long dim, he_table *out)
+int heb_buffer_table(const heb_buffer *buf, long long num_rows, long long dim, int dtype, he_table *out)
 {
-    *out = he_table_contiguous((float *)buf->ptr, buf->nbytes, (int64_t)num_rows, (int64_t)dim);
+    *out = he_table_typed(buf->ptr, buf->nbytes, (int64_t)num_rows, (int64_t)dim, dtype);
     he_status st = he_table_check(out, buf->name);
     if (st != HE_OK) {
         heb_raise_status(st);

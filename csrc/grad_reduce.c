@@ -7,58 +7,29 @@
 
 typedef struct reduce_job {
     const he_dedup *d;
-    const float *grad;
+    const void *grad;
     int64_t dim;
     int64_t skip_at; /* unique index of padding_idx, or -1 */
     int scale;
+    int f64; /* grad, row_weights and the sums are double (else float) */
     const int64_t *bag_of;
-    const float *row_weights;
-    float *out_values;  /* NULL when the sums go to update instead */
+    const void *row_weights;
+    void *out_values;  /* NULL when the sums go to update instead */
     int64_t *out_indices;
     const he_row_update *update;
 } reduce_job;
 
-/* Sums columns [col, col + n) of the gradient rows of positions
- * order[first..last) into acc, in that order. One call per unique id (and
- * column block), so the ISA dispatch is paid once per id, not per row. The
- * first row is copied rather than added to zeros: the same sum, one pass
- * less (most ids of a batch occur once). A weighted row is rounded as torch
- * rounds it: (g * row_weight) * freq_scale, each product on its own. */
-HE_SIMD_CLONES
-static void sum_rows(float *restrict acc, const reduce_job *job, int64_t first, int64_t last, int64_t prefetch_end,
-                     int64_t col, int64_t n, float scale)
-{
-    const uint32_t *restrict order = job->d->order;
-    const int64_t *bag_of = job->bag_of;
-    const float *row_weights = job->row_weights;
-    int64_t dim = job->dim;
-    int scale_rows = job->scale;
-    size_t row_bytes = (size_t)n * sizeof(float);
-    for (int64_t i = first; i < last; i++) {
-        /* The rows of one id are scattered over the batch. */
-        if (i + HE_PREFETCH_AHEAD < prefetch_end) {
-            int64_t ahead = order[i + HE_PREFETCH_AHEAD];
-            he_prefetch_row(job->grad + (bag_of ? bag_of[ahead] : ahead) * dim + col, row_bytes, 0);
-        }
-        int64_t pos = order[i];
-        const float *restrict row = job->grad + (bag_of ? bag_of[pos] : pos) * dim + col;
-        if (row_weights || scale_rows) {
-            int weighted = row_weights != NULL;
-            float w = weighted ? row_weights[pos] : 1.0f;
-            for (int64_t j = 0; j < n; j++) {
-                float g = weighted ? row[j] * w : row[j];
-                g = scale_rows ? g * scale : g;
-                acc[j] = i == first ? g : acc[j] + g;
-            }
-        } else if (i == first) {
-            for (int64_t j = 0; j < n; j++)
-                acc[j] = row[j];
-        } else {
-            for (int64_t j = 0; j < n; j++)
-                acc[j] += row[j];
-        }
-    }
-}
+/* sum_rows_f32 and sum_rows_f64: the compute types of gradients. */
+#define REAL float
+#define SUM_ROWS sum_rows_f32
+#include "grad_reduce_sum.inc"
+#undef REAL
+#undef SUM_ROWS
+#define REAL double
+#define SUM_ROWS sum_rows_f64
+#include "grad_reduce_sum.inc"
+#undef REAL
+#undef SUM_ROWS
 
 /* The update path sums a block of columns at a time (HE_REDUCE_BLOCK) into
  * a buffer on the stack and hands it on while it is in L1: every element's
@@ -72,17 +43,22 @@ static void reduce_range(void *ctx, int64_t begin, int64_t end)
     const he_row_update *update = job->update;
     int64_t dim = job->dim;
     int64_t prefetch_end = d->offsets[end];
-    _Alignas(64) float block[HE_REDUCE_BLOCK];
+    size_t elem = job->f64 ? sizeof(double) : sizeof(float);
+    _Alignas(64) double block[HE_REDUCE_BLOCK];
     for (int64_t k = begin; k < end; k++) {
         if (k == job->skip_at)
             continue;
         int64_t first = d->offsets[k], last = d->offsets[k + 1];
         /* torch scales each row before adding it (grad * (1/count)). */
-        float scale = (float)(1.0 / (double)(last - first));
+        double scale = 1.0 / (double)(last - first);
         if (!update) {
             int64_t slot = job->skip_at >= 0 && k > job->skip_at ? k - 1 : k;
             job->out_indices[slot] = d->unique[k];
-            sum_rows(job->out_values + slot * dim, job, first, last, prefetch_end, 0, dim, scale);
+            void *out = (char *)job->out_values + (size_t)(slot * dim) * elem;
+            if (job->f64)
+                sum_rows_f64(out, job, first, last, prefetch_end, 0, dim, scale);
+            else
+                sum_rows_f32(out, job, first, last, prefetch_end, 0, dim, (float)scale);
             continue;
         }
         /* The destination rows wait on DRAM as the update's do. */
@@ -90,7 +66,10 @@ static void reduce_range(void *ctx, int64_t begin, int64_t end)
             update->prefetch(update->ctx, d->unique[k + HE_PREFETCH_AHEAD]);
         for (int64_t col = 0; col < dim; col += HE_REDUCE_BLOCK) {
             int64_t n = dim - col < HE_REDUCE_BLOCK ? dim - col : HE_REDUCE_BLOCK;
-            sum_rows(block, job, first, last, prefetch_end, col, n, scale);
+            if (job->f64)
+                sum_rows_f64(block, job, first, last, prefetch_end, col, n, scale);
+            else
+                sum_rows_f32((float *)block, job, first, last, prefetch_end, col, n, (float)scale);
             update->apply(update->ctx, d->unique[k], col, block, n);
         }
     }
@@ -109,13 +88,16 @@ static int64_t find_unique(const he_dedup *d, int64_t id)
     return lo < d->num_unique && d->unique[lo] == id ? lo : -1;
 }
 
-static he_status reduce(const he_dedup *d, const float *grad, int64_t dim, const he_reduce_opts *opts,
-                        float *out_values, int64_t *out_indices, const he_row_update *update, int64_t grain,
+static he_status reduce(const he_dedup *d, const void *grad, int64_t dim, const he_reduce_opts *opts,
+                        void *out_values, int64_t *out_indices, const he_row_update *update, int64_t grain,
                         int64_t *out_count)
 {
     he_status st = he_check_table_shape(0, dim);
     if (st != HE_OK)
         return st;
+    if (opts->dtype != HE_F32 && opts->dtype != HE_F64)
+        return he_fail(HE_ERR_VALUE, "a gradient is reduced in float32 or float64, got %s",
+                       he_dtype_name(opts->dtype));
     if (opts->bag_of) {
         for (int64_t p = 0; p < d->count; p++)
             if (opts->bag_of[p] < 0 || opts->bag_of[p] >= opts->num_bags)
@@ -123,22 +105,22 @@ static he_status reduce(const he_dedup *d, const float *grad, int64_t dim, const
                                opts->bag_of[p], opts->num_bags);
     }
     int64_t skip_at = opts->padding_idx >= 0 ? find_unique(d, opts->padding_idx) : -1;
-    reduce_job job = {d, grad, dim, skip_at, opts->scale_grad_by_freq, opts->bag_of, opts->row_weights,
-                      out_values, out_indices, update};
+    reduce_job job = {d, grad, dim, skip_at, opts->scale_grad_by_freq, opts->dtype == HE_F64, opts->bag_of,
+                      opts->row_weights, out_values, out_indices, update};
     st = he_parallel_for(d->num_unique, grain, reduce_range, &job);
     if (st == HE_OK && out_count)
         *out_count = d->num_unique - (skip_at >= 0);
     return st;
 }
 
-he_status he_grad_reduce(const he_dedup *d, const float *grad, int64_t dim, const he_reduce_opts *opts,
-                         float *out_values, int64_t *out_indices, int64_t *out_count)
+he_status he_grad_reduce(const he_dedup *d, const void *grad, int64_t dim, const he_reduce_opts *opts,
+                         void *out_values, int64_t *out_indices, int64_t *out_count)
 {
     int64_t grain = dim > 0 ? 8192 / dim + 1 : d->num_unique;
     return reduce(d, grad, dim, opts, out_values, out_indices, NULL, grain, out_count);
 }
 
-he_status he_grad_reduce_apply(const he_dedup *d, const float *grad, int64_t dim, const he_reduce_opts *opts,
+he_status he_grad_reduce_apply(const he_dedup *d, const void *grad, int64_t dim, const he_reduce_opts *opts,
                                const he_row_update *update)
 {
     if (dim == 0)

@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include "dedup.h"
+#include "he_dtype.h"
 
 typedef struct he_reduce_opts {
     int64_t padding_idx;   /* this id gets no gradient; -1 for none */
@@ -14,8 +15,11 @@ typedef struct he_reduce_opts {
      * bag gradient is never expanded to one row per position in memory.
      * bag_of NULL: position p's row is grad[p]. row_weights NULL: 1. */
     const int64_t *bag_of;     /* [d->count], each in [0, num_bags) (checked) */
-    const float *row_weights;  /* [d->count] */
+    const void *row_weights;   /* [d->count], of dtype */
     int64_t num_bags;          /* rows of grad when bag_of is set */
+    /* HE_F32 (0) or HE_F64: the element type of grad, row_weights and the
+     * sums, the compute type of the table (he_dtype.h). */
+    int dtype;
 } he_reduce_opts;
 
 /* grad: [d->count, dim] rows in the batch's order (or [num_bags, dim] with
@@ -25,8 +29,8 @@ typedef struct he_reduce_opts {
  * less). Each sum runs over its positions in ascending order, whatever the
  * thread count. Used both for backward and to coalesce a user's sparse
  * gradient (ids = its indices, grad = its values). */
-he_status he_grad_reduce(const he_dedup *d, const float *grad, int64_t dim, const he_reduce_opts *opts,
-                         float *out_values, int64_t *out_indices, int64_t *out_count);
+he_status he_grad_reduce(const he_dedup *d, const void *grad, int64_t dim, const he_reduce_opts *opts,
+                         void *out_values, int64_t *out_indices, int64_t *out_count);
 
 /* The most columns he_grad_reduce_apply hands to apply() at once. */
 #define HE_REDUCE_BLOCK 256
@@ -37,7 +41,7 @@ he_status he_grad_reduce(const he_dedup *d, const float *grad, int64_t dim, cons
  * col order, from one thread per row; prefetch() (may be NULL) is called a
  * few rows ahead with a row about to be applied. */
 typedef struct he_row_update {
-    void (*apply)(const void *ctx, int64_t row, int64_t col, const float *sum, int64_t n);
+    void (*apply)(const void *ctx, int64_t row, int64_t col, const void *sum, int64_t n); /* sum: of opts->dtype */
     void (*prefetch)(const void *ctx, int64_t row);
     const void *ctx;
 } he_row_update;
@@ -45,7 +49,7 @@ typedef struct he_row_update {
 /* he_grad_reduce with every sum handed to update (padding_idx skipped). The
  * caller checks that the rows update writes belong to a table of
  * d->num_rows rows (the ids were range-checked against that). */
-he_status he_grad_reduce_apply(const he_dedup *d, const float *grad, int64_t dim, const he_reduce_opts *opts,
+he_status he_grad_reduce_apply(const he_dedup *d, const void *grad, int64_t dim, const he_reduce_opts *opts,
                                const he_row_update *update);
 
 #endif

@@ -3,6 +3,7 @@
 #include <inttypes.h>
 #include <math.h>
 
+#include "convert.h"
 #include "ids.h"
 #include "thread_pool.h"
 
@@ -19,60 +20,83 @@ typedef struct renorm_job {
  * for small |x|. m == 0 (or only NaN besides zeros) gives 0, m == inf gives
  * inf; a NaN element makes the sum, and so the norm, NaN (no renorm).
  * cuda/renorm.cu computes the same expression. */
-static double scaled_p_norm(const float *row, int64_t dim, double p)
+static double scaled_p_norm(int dtype, const void *row, int64_t dim, double p)
 {
     double m = 0.0;
     for (int64_t j = 0; j < dim; j++)
-        m = fmax(m, fabs((double)row[j]));
+        m = fmax(m, fabs(he_elem_to_f64(dtype, row, j)));
     if (!(m > 0.0) || isinf(m))
         return m;
     double acc = 0.0;
     for (int64_t j = 0; j < dim; j++)
-        acc += pow(fabs((double)row[j]) / m, p);
+        acc += pow(fabs(he_elem_to_f64(dtype, row, j)) / m, p);
     return m * pow(acc, 1.0 / p);
 }
 
-/* Accumulated in double and rounded to float: torch computes the norm of a
- * float row in float, so the rounded double result is what it would get
- * with an exact sum (and without its overflow: see scaled_p_norm). */
-static float row_norm(const float *row, int64_t dim, double p)
+/* Accumulated in double and rounded to the table's dtype: torch computes
+ * the norm of a row in its dtype (float16 and bfloat16 accumulated in
+ * float32), so the rounded double result is what it would get with an
+ * exact sum (and without its overflow: see scaled_p_norm). A float64
+ * row's norm is the double sum itself. */
+static double row_norm(int dtype, const void *row, int64_t dim, double p)
 {
     double acc = 0.0;
     if (p == 2.0) {
+        for (int64_t j = 0; j < dim; j++) {
+            double x = he_elem_to_f64(dtype, row, j);
+            acc += x * x;
+        }
+        acc = sqrt(acc);
+    } else if (p == 1.0) {
         for (int64_t j = 0; j < dim; j++)
-            acc += (double)row[j] * row[j];
-        return (float)sqrt(acc);
-    }
-    if (p == 1.0) {
+            acc += fabs(he_elem_to_f64(dtype, row, j));
+    } else if (isinf(p)) {
         for (int64_t j = 0; j < dim; j++)
-            acc += fabs((double)row[j]);
-        return (float)acc;
-    }
-    if (isinf(p)) {
+            acc = fmax(acc, fabs(he_elem_to_f64(dtype, row, j)));
+    } else if (p == 0.0) {
         for (int64_t j = 0; j < dim; j++)
-            acc = fmax(acc, fabs((double)row[j]));
-        return (float)acc;
+            acc += he_elem_to_f64(dtype, row, j) != 0.0;
+    } else {
+        acc = scaled_p_norm(dtype, row, dim, p);
     }
-    if (p == 0.0) {
+    return he_round_to(dtype, acc);
+}
+
+/* row *= scale in torch's arithmetic for the dtype: float64 in double,
+ * float32 in float, the half types in float then rounded to nearest. */
+static void scale_row(int dtype, void *row, int64_t dim, double scale)
+{
+    if (dtype == HE_F64) {
+        double *r = row;
         for (int64_t j = 0; j < dim; j++)
-            acc += row[j] != 0.0f;
-        return (float)acc;
+            r[j] *= scale;
+    } else if (dtype == HE_F32) {
+        float *r = row, s = (float)scale;
+        for (int64_t j = 0; j < dim; j++)
+            r[j] *= s;
+    } else {
+        float s = (float)scale, block[256];
+        for (int64_t col = 0; col < dim; col += 256) {
+            int64_t n = dim - col < 256 ? dim - col : 256;
+            void *at = (char *)row + (size_t)col * he_dtype_size(dtype);
+            he_row_to_f32(dtype, at, block, n);
+            for (int64_t j = 0; j < n; j++)
+                block[j] *= s;
+            he_row_from_f32(dtype, block, at, n, 0, 0, 0, 0);
+        }
     }
-    return (float)scaled_p_norm(row, dim, p);
 }
 
 static void renorm_range(void *ctx, int64_t begin, int64_t end)
 {
     renorm_job *job = ctx;
     int64_t dim = job->table->dim;
+    int dtype = job->table->dtype;
     for (int64_t k = begin; k < end; k++) {
-        float *row = he_table_row(job->table, job->d->unique[k]);
-        double norm = row_norm(row, dim, job->p);
-        if (norm > job->max_norm) {
-            float scale = (float)(job->max_norm / (norm + 1e-7));
-            for (int64_t j = 0; j < dim; j++)
-                row[j] *= scale;
-        }
+        void *row = he_table_row(job->table, job->d->unique[k]);
+        double norm = row_norm(dtype, row, dim, job->p);
+        if (norm > job->max_norm)
+            scale_row(dtype, row, dim, job->max_norm / (norm + 1e-7));
     }
 }
 

@@ -3,6 +3,7 @@
 #include <inttypes.h>
 #include <stdlib.h>
 
+#include "convert.h"
 #include "ids.h"
 #include "optimizers.h"
 #include "simd.h"
@@ -14,45 +15,90 @@ typedef struct update_ctx {
     he_optim_consts c;
     he_table w;
     he_table s[HE_OPTIM_MAX_STATE];
+    int stochastic;
+    uint64_t seed; /* this step's: the same step redone draws the same */
 } update_ctx;
 
-/* Columns [col, col + n) of row r, from that row's gradient g. */
-static inline void update_row(const update_ctx *u, int64_t r, int64_t col, const float *g, int64_t n)
+static inline int half_table(const he_table *t)
 {
-    float *s[HE_OPTIM_MAX_STATE] = {NULL, NULL};
+    return t->dtype == HE_F16 || t->dtype == HE_BF16;
+}
+
+/* Columns [col, col + n) of row r, from that row's gradient g (in the
+ * table's compute type), given the prelude's row scalar. A half-precision
+ * row is widened into a float block, updated, and rounded back. */
+static void update_cols(const update_ctx *u, int64_t r, int64_t col, const void *g, int64_t n, double scalar)
+{
+    void *s[HE_OPTIM_MAX_STATE] = {NULL, NULL};
     for (int i = 0; i < u->rule->num_state; i++)
-        s[i] = he_table_row(&u->s[i], r) + (u->rule->per_row[i] ? 0 : col);
-    u->rule->row(&u->c, he_table_row(&u->w, r) + col, s, g, n);
+        s[i] = (char *)he_table_row(&u->s[i], r) + (u->rule->per_row[i] ? 0 : (size_t)col * he_table_elem(&u->s[i]));
+    char *w = (char *)he_table_row(&u->w, r) + (size_t)col * he_table_elem(&u->w);
+    if (u->w.dtype == HE_F64) {
+        u->rule->row_f64(&u->c, (double *)w, (double *const *)s, g, n, scalar);
+        return;
+    }
+    if (u->w.dtype == HE_F32) {
+        u->rule->row_f32(&u->c, (float *)w, (float *const *)s, g, n, (float)scalar);
+        return;
+    }
+    _Alignas(64) float block[HE_REDUCE_BLOCK];
+    size_t elem = he_table_elem(&u->w);
+    for (int64_t b = 0; b < n; b += HE_REDUCE_BLOCK) {
+        int64_t m = n - b < HE_REDUCE_BLOCK ? n - b : HE_REDUCE_BLOCK;
+        float *sb[HE_OPTIM_MAX_STATE] = {NULL, NULL};
+        for (int i = 0; i < u->rule->num_state; i++)
+            sb[i] = (float *)s[i] + (u->rule->per_row[i] ? 0 : b);
+        he_row_to_f32(u->w.dtype, w + (size_t)b * elem, block, m);
+        u->rule->row_f32(&u->c, block, sb, (const float *)g + b, m, (float)scalar);
+        he_row_from_f32(u->w.dtype, block, w + (size_t)b * elem, m, u->stochastic, u->seed, r, col + b);
+    }
+}
+
+/* Row r's update from its gradient: the rule's prelude on the whole row
+ * (n == dim when the rule has one: see he_sparse_update_fused), then its
+ * columns. */
+static inline void update_row(const update_ctx *u, int64_t r, int64_t col, const void *g, int64_t n)
+{
+    double scalar = 0.0;
+    if (u->rule->prelude_f32) {
+        void *s[HE_OPTIM_MAX_STATE] = {NULL, NULL};
+        for (int i = 0; i < u->rule->num_state; i++)
+            s[i] = he_table_row(&u->s[i], r);
+        scalar = u->w.dtype == HE_F64 ? u->rule->prelude_f64(&u->c, (double *const *)s, g, n)
+                                      : u->rule->prelude_f32(&u->c, (float *const *)s, g, n);
+    }
+    update_cols(u, r, col, g, n, scalar);
 }
 
 /* The row and its state wait on DRAM: asked for a few rows ahead. */
 static inline void prefetch_row(const update_ctx *u, int64_t r)
 {
-    size_t row_bytes = (size_t)u->w.dim * sizeof(float);
-    he_prefetch_row(he_table_row(&u->w, r), row_bytes, 1);
-    for (int i = 0; i < u->rule->num_state; i++)
-        he_prefetch_row(he_table_row(&u->s[i], r), u->rule->per_row[i] ? sizeof(float) : row_bytes, 1);
+    he_prefetch_row(he_table_row(&u->w, r), (size_t)u->w.dim * he_table_elem(&u->w), 1);
+    for (int i = 0; i < u->rule->num_state; i++) {
+        const he_table *s = &u->s[i];
+        he_prefetch_row(he_table_row(s, r), (size_t)s->dim * he_table_elem(s), 1);
+    }
 }
 
 typedef struct rows_job {
     const update_ctx *u;
     const int64_t *indices;
-    const float *values;
+    const void *values;
 } rows_job;
 
 static void rows_range(void *ctx, int64_t begin, int64_t end)
 {
     const rows_job *job = ctx;
-    int64_t dim = job->u->w.dim;
+    size_t row_bytes = (size_t)job->u->w.dim * he_dtype_size(he_compute_dtype(job->u->w.dtype));
     for (int64_t k = begin; k < end; k++) {
         if (k + HE_PREFETCH_AHEAD < end)
             prefetch_row(job->u, job->indices[k + HE_PREFETCH_AHEAD]);
-        update_row(job->u, job->indices[k], 0, job->values + k * dim, dim);
+        update_row(job->u, job->indices[k], 0, (const char *)job->values + (size_t)k * row_bytes, job->u->w.dim);
     }
 }
 
 /* Rows indices[0..nnz), distinct and in range. */
-static he_status update_rows(const update_ctx *u, const int64_t *indices, const float *values, int64_t nnz)
+static he_status update_rows(const update_ctx *u, const int64_t *indices, const void *values, int64_t nnz)
 {
     int64_t dim = u->w.dim;
     if (dim == 0)
@@ -62,11 +108,20 @@ static he_status update_rows(const update_ctx *u, const int64_t *indices, const 
 }
 
 /* The fused backward's sink: the rule's row function on the sum's column
- * block (the element-wise rules give the same bits block by block; a
- * whole-row rule gets whole rows, see he_sparse_update_fused). */
-static void fused_apply(const void *ctx, int64_t row, int64_t col, const float *sum, int64_t n)
+ * block (the element-wise rules give the same bits block by block; a rule
+ * with a prelude gets whole rows, see he_sparse_update_fused). A
+ * half-precision table's unfused gradient (weight.grad) is in the table's
+ * dtype, so the sum is rounded to it first: the same bits either way. */
+static void fused_apply(const void *ctx, int64_t row, int64_t col, const void *sum, int64_t n)
 {
-    update_row(ctx, row, col, sum, n);
+    const update_ctx *u = ctx;
+    if (half_table(&u->w)) {
+        _Alignas(64) float rounded[HE_REDUCE_BLOCK];
+        he_round_row_f32(u->w.dtype, sum, rounded, n);
+        update_row(u, row, col, rounded, n);
+        return;
+    }
+    update_row(u, row, col, sum, n);
 }
 
 static void fused_prefetch(const void *ctx, int64_t row)
@@ -88,11 +143,15 @@ static he_status prepare(const he_optim_params *hp, const he_table *weight, cons
     he_status st = he_table_check(weight, "weight");
     if (st != HE_OK)
         return st;
+    int compute = he_compute_dtype(weight->dtype);
     for (int i = 0; i < num_state; i++) {
         const he_table *s = &state[i];
         const char *what = rule->state_names[i];
         if ((st = he_table_check(s, what)) != HE_OK)
             return st;
+        if (s->dtype != compute)
+            return he_fail(HE_ERR_VALUE, "%s's %s of a %s table must be %s, got %s", rule->name, what,
+                           he_dtype_name(weight->dtype), he_dtype_name(compute), he_dtype_name(s->dtype));
         int64_t dim = rule->per_row[i] ? 1 : weight->dim;
         if (s->num_rows != weight->num_rows || s->dim != dim)
             return he_fail(HE_ERR_VALUE,
@@ -111,26 +170,28 @@ static he_status prepare(const he_optim_params *hp, const he_table *weight, cons
     u->w = *weight;
     if ((st = rule->make_consts(hp, &u->c)) != HE_OK)
         return st;
-    u->c.dim = (float)weight->dim;
+    u->c.dim = (double)weight->dim;
+    u->stochastic = hp->stochastic_rounding && half_table(weight);
+    u->seed = hp->seed ^ ((uint64_t)hp->step * 0x9E3779B97F4A7C15ull);
     return HE_OK;
 }
 
 /* The coalesced gradient of ids with grad rows: ascending unique ids and
  * their sums (each in position order), in new buffers the caller frees. */
-static he_status coalesce(const he_dedup *d, const float *grad, int64_t dim, const he_reduce_opts *opts,
-                          int64_t **unique_rows, float **sums, int64_t *count)
+static he_status coalesce(const he_dedup *d, const void *grad, int64_t dim, const he_reduce_opts *opts,
+                          int64_t **unique_rows, void **sums, int64_t *count)
 {
-    size_t u = (size_t)(d->num_unique > 0 ? d->num_unique : 1);
+    size_t u = (size_t)(d->num_unique > 0 ? d->num_unique : 1), elem = he_dtype_size(opts->dtype);
     *unique_rows = malloc(u * sizeof **unique_rows);
-    *sums = malloc(u * (size_t)(dim > 0 ? dim : 1) * sizeof **sums);
+    *sums = malloc(u * (size_t)(dim > 0 ? dim : 1) * elem);
     if (!*unique_rows || !*sums)
         return he_fail(HE_ERR_NOMEM, "could not allocate %zu bytes to coalesce a gradient of %" PRId64 " rows",
-                       u * ((size_t)dim * sizeof **sums + sizeof **unique_rows), d->count);
+                       u * ((size_t)dim * elem + sizeof **unique_rows), d->count);
     return he_grad_reduce(d, grad, dim, opts, *sums, *unique_rows, count);
 }
 
 he_status he_sparse_update(const he_optim_params *hp, const he_table *weight, const he_table *state,
-                           int num_state, const int64_t *indices, const float *values, int64_t nnz)
+                           int num_state, const int64_t *indices, const void *values, int64_t nnz)
 {
     update_ctx u;
     he_status st = prepare(hp, weight, state, num_state, &u);
@@ -151,9 +212,10 @@ he_status he_sparse_update(const he_optim_params *hp, const he_table *weight, co
 
     he_dedup *d = NULL;
     int64_t *unique_rows = NULL, count = 0;
-    float *sums = NULL;
+    void *sums = NULL;
     he_ids ids = {indices, nnz, 1};
     he_reduce_opts no_opts = {-1, 0};
+    no_opts.dtype = he_compute_dtype(weight->dtype);
     st = he_dedup_build(&ids, num_rows, &d);
     if (st == HE_OK)
         st = coalesce(d, values, weight->dim, &no_opts, &unique_rows, &sums, &count);
@@ -165,7 +227,7 @@ he_status he_sparse_update(const he_optim_params *hp, const he_table *weight, co
     return st;
 }
 
-he_status he_sparse_update_fused(const he_dedup *d, const float *grad, const he_reduce_opts *opts,
+he_status he_sparse_update_fused(const he_dedup *d, const void *grad, const he_reduce_opts *opts,
                                  const he_optim_params *hp, const he_table *weight, const he_table *state,
                                  int num_state)
 {
@@ -177,12 +239,18 @@ he_status he_sparse_update_fused(const he_dedup *d, const float *grad, const he_
     if (d->num_rows != weight->num_rows)
         return he_fail(HE_ERR_VALUE, "the ids were checked against %" PRId64 " rows, the table has %" PRId64,
                        d->num_rows, weight->num_rows);
-    if (u.rule->whole_row && weight->dim > HE_REDUCE_BLOCK) {
+    if (opts->dtype != he_compute_dtype(weight->dtype))
+        return he_fail(HE_ERR_VALUE, "the gradient of a %s table must be %s, got %s", he_dtype_name(weight->dtype),
+                       he_dtype_name(he_compute_dtype(weight->dtype)), he_dtype_name(opts->dtype));
+    if (u.rule->prelude_f32 && weight->dim > HE_REDUCE_BLOCK) {
         /* The sums of a long row come in blocks, and this rule needs the
-         * whole row first: they go through memory. */
+         * whole row first: they go through memory, rounded to a half
+         * table's dtype as fused_apply rounds them. */
         int64_t *unique_rows = NULL, count = 0;
-        float *sums = NULL;
+        void *sums = NULL;
         st = coalesce(d, grad, weight->dim, opts, &unique_rows, &sums, &count);
+        if (st == HE_OK && half_table(weight))
+            he_round_row_f32(weight->dtype, sums, sums, count * weight->dim);
         if (st == HE_OK)
             st = update_rows(&u, unique_rows, sums, count);
         free(unique_rows);

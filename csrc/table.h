@@ -11,37 +11,51 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "he_dtype.h"
 #include "he_status.h"
 
 typedef struct he_table {
-    float *data;        /* row 0 */
+    void *data;         /* row 0 */
     size_t nbytes;      /* bytes readable and writable from data on */
     int64_t num_rows;
-    int64_t dim;        /* floats per row */
-    int64_t row_stride; /* floats from one row's start to the next's; >= dim */
+    int64_t dim;        /* elements per row */
+    int64_t row_stride; /* elements from one row's start to the next's; >= dim */
+    int dtype;          /* he_dtype */
 } he_table;
 
-/* A row-major table (row_stride = dim) over nbytes bytes at data. */
-static inline he_table he_table_contiguous(float *data, size_t nbytes, int64_t num_rows, int64_t dim)
+/* A row-major (row_stride = dim) table of `dtype` over nbytes bytes at data. */
+static inline he_table he_table_typed(void *data, size_t nbytes, int64_t num_rows, int64_t dim, int dtype)
 {
-    he_table t = {data, nbytes, num_rows, dim, dim};
+    he_table t = {data, nbytes, num_rows, dim, dim, dtype};
     return t;
 }
 
-/* HE_OK when num_rows >= 0, dim >= 0, row_stride >= dim, data is float
- * aligned and the last row ends within nbytes (((num_rows - 1) * row_stride
- * + dim) floats, computed without overflow); else HE_ERR_VALUE naming
- * `what` (the argument: "table", "exp_avg", ...), the shape and the size. */
+/* A row-major float32 table over nbytes bytes at data. */
+static inline he_table he_table_contiguous(float *data, size_t nbytes, int64_t num_rows, int64_t dim)
+{
+    return he_table_typed(data, nbytes, num_rows, dim, HE_F32);
+}
+
+/* HE_OK when the dtype is known, num_rows >= 0, dim >= 0, row_stride >=
+ * dim, data is aligned to the element size and the last row ends within
+ * nbytes (((num_rows - 1) * row_stride + dim) elements, computed without
+ * overflow); else HE_ERR_VALUE naming `what` (the argument: "table",
+ * "exp_avg", ...), the shape and the size. */
 he_status he_table_check(const he_table *t, const char *what);
 
 /* 1 when the bytes the two (checked) tables span overlap: from data to the
  * end of the last row. Empty tables overlap nothing. */
 int he_table_overlap(const he_table *a, const he_table *b);
 
-/* Row r (no check: r must be in [0, num_rows)). */
-static inline float *he_table_row(const he_table *t, int64_t r)
+static inline size_t he_table_elem(const he_table *t)
 {
-    return t->data + r * t->row_stride;
+    return he_dtype_size(t->dtype);
+}
+
+/* Row r (no check: r must be in [0, num_rows)). */
+static inline void *he_table_row(const he_table *t, int64_t r)
+{
+    return (char *)t->data + (size_t)r * (size_t)t->row_stride * he_table_elem(t);
 }
 
 #endif

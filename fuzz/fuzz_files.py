@@ -385,11 +385,13 @@ class Target:
 
 
 def same_bits(a, b):
-    """Equal shapes and float32 bits, NaNs equal to NaNs (whatever their payload)."""
-    if a.shape != b.shape:
+    """Equal shapes, dtypes and bits, NaNs equal to NaNs (whatever their payload)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
         return False
+    a, b = a.contiguous().reshape(-1), b.contiguous().reshape(-1)
     nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(a.view(torch.int32)[~nan], b.view(torch.int32)[~nan])
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(nan, b.isnan()) and torch.equal(a.view(bits)[~nan], b.view(bits)[~nan])
 
 
 def _pick(shapes, floats, key):
@@ -411,23 +413,24 @@ def _flatten(mapping, prefix="", seen=None):
 
 
 def reference(path, suffix, key):
-    """The table the format's own reader gives (float32), or it raises (a finding)."""
+    """The table the format's own reader gives (in the file's dtype, which
+    the table keeps), or it raises (a finding)."""
     if suffix == ".npy":
-        return torch.from_numpy(np.ascontiguousarray(np.load(path, allow_pickle=False))).float()
+        return torch.from_numpy(np.ascontiguousarray(np.load(path, allow_pickle=False)))
     if suffix == ".safetensors":
         from safetensors import safe_open
         with safe_open(path, "pt") as f:
             slices = {name: f.get_slice(name) for name in f.keys()}
             shapes = {name: s.get_shape() for name, s in slices.items()}
             floats = {name for name, s in slices.items() if s.get_dtype() in ("F32", "F16", "BF16", "F64")}
-            return f.get_tensor(_pick(shapes, floats, key)).float()
+            return f.get_tensor(_pick(shapes, floats, key))
     loaded = torch.load(path, map_location="cpu", weights_only=True)
     if isinstance(loaded, torch.Tensor):
-        return loaded.float()
+        return loaded
     tensors = dict(_flatten(loaded))
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     floats = {name for name, t in tensors.items() if t.is_floating_point()}
-    return tensors[_pick(shapes, floats, key)].float()
+    return tensors[_pick(shapes, floats, key)]
 
 
 def main():

@@ -23,6 +23,10 @@ typedef struct he_optim_params {
     int64_t step;         /* after this step's increment, as torch counts: 1 on the first step */
     int maximize;
     double weight_decay;  /* Adam: decoupled, on the updated rows (he_adam.h) */
+    /* float16 / bfloat16 tables: round the updated weights stochastically
+     * (else to nearest even), drawing from (seed, step, row, column). */
+    int stochastic_rounding;
+    uint64_t seed;
 } he_optim_params;
 
 #endif

@@ -154,16 +154,20 @@ def test_load_state_dict_from_torch_copies_in_place(assign):
         ours.load_state_dict(torch.nn.Embedding(11, 4).state_dict())
 
 
-def test_to_cpu_and_casts_never_move_or_convert_the_table():
+def test_device_moves_never_move_the_table_and_casts_convert_it_in_host_memory():
     model = torch.nn.Sequential(hostembed.Embedding(10, 4))
     emb = model[0]
     ptr = emb.weight.data_ptr()
     model.to("cpu")
-    model.double()
     model.cpu()
     assert emb.weight.data_ptr() == ptr and emb.weight.dtype == torch.float32
+    before = emb.weight.detach().clone()
+    model.double()
+    assert emb.weight.dtype == torch.float64 and emb.weight.device.type == "cpu"
+    assert torch.equal(emb.weight.detach(), before.double())
     assert emb.output_device == torch.device("cpu")
-    assert emb(torch.tensor([1])).device.type == "cpu"
+    out = emb(torch.tensor([1]))
+    assert out.device.type == "cpu" and out.dtype == torch.float64
 
 
 def test_device_argument_sets_output_device():
@@ -176,7 +180,7 @@ def test_from_pretrained_copies_and_freezes():
     src = torch.randn(9, 3, dtype=torch.float64)
     emb = hostembed.Embedding.from_pretrained(src)
     assert not emb.weight.requires_grad and emb.sparse
-    assert torch.equal(emb.weight, src.float())
+    assert emb.weight.dtype == torch.float64 and torch.equal(emb.weight, src)
     src.zero_()
     assert torch.count_nonzero(emb.weight) > 0, "the module owns a copy"
     ids = torch.tensor([0, 8])

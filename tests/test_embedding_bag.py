@@ -226,7 +226,7 @@ BAD = [
     (dict(input=torch.tensor([1, 2, 3]), offsets=torch.tensor([0]), per_sample_weights=torch.ones(2)), ValueError,
      "per_sample_weights .* must have the same shape as the input"),
     (dict(input=torch.tensor([1, 2, 3]), offsets=torch.tensor([0]), per_sample_weights=torch.ones(3).double()),
-     RuntimeError, "per_sample_weights must be float32 or the outputs' dtype torch.float32, got torch.float64"),
+     RuntimeError, "per_sample_weights must be float32 or the table's dtype torch.float32, got torch.float64"),
     (dict(input=torch.tensor([1, 2, 60]), offsets=torch.tensor([0])), IndexError, r"id 60 at position 2"),
     (dict(input=torch.tensor([1, -1]), offsets=torch.tensor([0])), IndexError, r"id -1 at position 1"),
 ]
@@ -262,8 +262,8 @@ def test_bad_options():
     bag.mode = "median"  # set after construction: refused at the call, as torch does
     with pytest.raises(ValueError, match="mode has to be one of sum, mean or max"):
         bag(torch.tensor([[1]]))
-    with pytest.raises(TypeError, match="keeps float32 tables"):
-        hostembed.EmbeddingBag(5, 2, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float32, float16, bfloat16 or float64; dtype=torch.int64"):
+        hostembed.EmbeddingBag(5, 2, dtype=torch.int64)
     with pytest.raises(AssertionError, match="Padding_idx must be within num_embeddings"):
         hostembed.EmbeddingBag(5, 2, padding_idx=5)
 

@@ -121,8 +121,12 @@ def test_bad_weight_shapes_like_torch():
 
 
 def test_unsupported_table_dtype():
-    with pytest.raises(TypeError, match="float32 tables; dtype=torch.float16"):
-        hostembed.Embedding(10, 2, dtype=torch.float16)
+    # Integer and complex tables have no gradient to train; refused clearly.
+    for dtype in (torch.int32, torch.complex64, torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match=f"float32, float16, bfloat16 or float64; dtype={dtype} is not"):
+            hostembed.Embedding(10, 2, dtype=dtype)
+    with pytest.raises(TypeError, match="from_pretrained: a host table is float32, .*dtype=torch.int64"):
+        hostembed.Embedding.from_pretrained(torch.arange(6).reshape(3, 2))
 
 
 def test_table_too_big_raises_memory_error_with_bytes():

@@ -273,7 +273,7 @@ def test_state_aliasing_the_weight_is_refused():
 def test_state_that_is_not_the_tables_memory_is_refused_by_the_op():
     emb = hostembed.Embedding(6, 3)
     bigger = emb._table.zeros().new_zeros(7, 3)
-    with pytest.raises(RuntimeError, match=r"exp_avg of a \[6, 3\] host table .* in the table's own host memory"):
+    with pytest.raises(RuntimeError, match=r"exp_avg of a \[6, 3\] float32 host table .* in the table's own host memory"):
         _ops.sparse_adam_(emb.weight, bigger[1:], emb._table.zeros(), torch.tensor([0]), torch.ones(1, 3), lr=0.1,
                           beta1=0.9, beta2=0.999, eps=1e-8, step=1, maximize=False)
 
@@ -299,7 +299,7 @@ def test_gather_takes_a_buffer_not_an_address():
     ids, ids_args = _ids(0)
     out = torch.empty(1, 4)
     with pytest.raises(TypeError, match=r"table must be a hostembed._C.HostBuffer .*got int"):
-        _C.gather(table=buf.address, num_rows=4, dim=4, **ids_args, out=out.data_ptr())
+        _C.gather(table=buf.address, num_rows=4, dim=4, dtype=0, **ids_args, out=out.data_ptr())
 
 
 @pytest.mark.parametrize("num_rows, dim", [(5, 4), (4, 5), (1 << 40, 4), (2, 1 << 62)])
@@ -310,17 +310,18 @@ def test_shapes_larger_than_the_buffer_are_refused_before_any_work(num_rows, dim
     out = torch.full((1, 4), -7.0)
     with pytest.raises(ValueError, match=r"table: a \[\d+, \d+\] float32 table .* needs .* bytes, but its buffer "
                                          r"has 64"):
-        _C.gather(table=buf, num_rows=num_rows, dim=dim, **ids_args, out=out.data_ptr())
+        _C.gather(table=buf, num_rows=num_rows, dim=dim, dtype=0, **ids_args, out=out.data_ptr())
     assert (out == -7.0).all()
     dedup = _C.Dedup(**ids_args, num_rows=num_rows)
     with pytest.raises(ValueError, match="needs"):
-        _C.renorm(table=buf, num_rows=num_rows, dim=dim, dedup=dedup, max_norm=0.0, norm_type=2.0)
+        _C.renorm(table=buf, num_rows=num_rows, dim=dim, dtype=0, dedup=dedup, max_norm=0.0, norm_type=2.0)
     state = [_C.HostBuffer(16 * 4), _C.HostBuffer(16 * 4)]
     grad = torch.ones(1, 4)
     with pytest.raises(ValueError, match="weight: .*needs"):
         _C.sparse_update(kind=0, weight=buf, state=tuple(state), num_rows=num_rows, dim=dim,
                          indices=ids.data_ptr(), values=grad.data_ptr(), nnz=1, lr=1.0, beta1=0.9, beta2=0.999,
-                         eps=1e-8, lr_decay=0.0, step=1, maximize=False, weight_decay=0.0)
+                         eps=1e-8, lr_decay=0.0, step=1, maximize=False, weight_decay=0.0, dtype=0,
+                         stochastic_rounding=False, seed=0)
     assert not any(bytes(memoryview(b)) != bytes(64) for b in [buf, *state])
 
 
@@ -330,7 +331,8 @@ def test_optimizer_state_buffers_too_small_shared_or_miscounted():
     ids, _ = _ids(3)
     grad = torch.ones(1, 4)
     hyper = dict(num_rows=4, dim=4, indices=ids.data_ptr(), values=grad.data_ptr(), nnz=1, lr=1.0, beta1=0.9,
-                 beta2=0.999, eps=1e-8, lr_decay=0.0, step=1, maximize=False, weight_decay=0.0)
+                 beta2=0.999, eps=1e-8, lr_decay=0.0, step=1, maximize=False, weight_decay=0.0, dtype=0,
+                         stochastic_rounding=False, seed=0)
     with pytest.raises(ValueError, match=r"exp_avg: a \[4, 4\] float32 table .* needs 64 bytes, but its buffer has 60"):
         _C.sparse_update(kind=0, weight=w, state=(small, v), **hyper)
     with pytest.raises(ValueError, match="exp_avg_sq overlaps the weight"):
@@ -354,7 +356,7 @@ def test_renorm_refuses_a_dedup_built_for_another_table():
     ids, ids_args = _ids(1)
     dedup = _C.Dedup(**ids_args, num_rows=2)
     with pytest.raises(ValueError, match="checked against a table of 2 rows, the table has 4"):
-        _C.renorm(table=buf, num_rows=4, dim=4, dedup=dedup, max_norm=0.0, norm_type=2.0)
+        _C.renorm(table=buf, num_rows=4, dim=4, dtype=0, dedup=dedup, max_norm=0.0, norm_type=2.0)
 
 
 @pytest.mark.skipif(not _ops.CUDA_COMPILED, reason="the CUDA bindings are not compiled in")

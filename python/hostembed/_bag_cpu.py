@@ -41,8 +41,9 @@ class PooledLookup(torch.autograd.Function):
         ids, offsets, per_sample_weights, inverse, rows = ctx.saved_tensors
         mode, include_last_offset, padding_idx, scale_grad_by_freq, sparse = ctx.spec
         num_rows, dim = ctx.table_shape
-        bag_of, counted, bags = positions(ids, offsets, include_last_offset, padding_idx)
-        row_weights = gradient_weights(bag_of, counted, bags, per_sample_weights, mode)
+        dtype = ctx.table.state_dtype  # the core's: the weights in the table's compute dtype
+        bag_of, counted, bags = positions(ids, offsets, include_last_offset, padding_idx, dtype)
+        row_weights = gradient_weights(bag_of, counted, bags, per_sample_weights, mode, dtype)
         grad_out = grad_out.contiguous()
         if grad_out.shape[0] == 0:  # no bags: every position's gradient is 0
             grad_out = grad_out.new_zeros(1, dim)
@@ -60,7 +61,7 @@ class PooledLookup(torch.autograd.Function):
                     ids, grad_out, padding_idx, scale_grad_by_freq, ctx.dedup, pooling))):
                 indices, values = _ops._reduce_rows(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq,
                                                     ctx.dedup, pooling)
-                grad = _ops.weight_grad(indices, values, num_rows, dim, sparse)
+                grad = _ops.weight_grad(indices, values, num_rows, dim, sparse, rows.dtype)
         return (grad, None, None, weights_grad) + (None,) * 7
 
 
@@ -72,7 +73,7 @@ def padding_row(unique, padding_idx):
     return at if at < unique.numel() and int(unique[at]) == padding_idx else None
 
 
-def positions(ids, offsets, include_last_offset, padding_idx):
+def positions(ids, offsets, include_last_offset, padding_idx, dtype=torch.float32):
     """(bag_of, counted, bags): each position's bag; which positions count
     (a 0/1 float mask, None: all), 0 for those in no bag (after the last
     one, with include_last_offset; every position when there are no bags,
@@ -81,7 +82,7 @@ def positions(ids, offsets, include_last_offset, padding_idx):
     count = ids.numel()
     starts = offsets[:-1] if include_last_offset else offsets
     if starts.numel() == 0:
-        return torch.zeros(count, dtype=torch.int64), torch.zeros(count), 0
+        return torch.zeros(count, dtype=torch.int64), torch.zeros(count, dtype=dtype), 0
     # Each bag's start marks the position where the bag index steps up (an
     # empty bag's start coincides with the next one: a step of 2): a
     # cumulative sum, several times faster than repeat_interleave here.
@@ -93,22 +94,23 @@ def positions(ids, offsets, include_last_offset, padding_idx):
     counted = None
     if covered < count:
         # Positions after the last bag: bag_of points at it, the weight is 0.
-        counted = torch.zeros(count)
+        counted = torch.zeros(count, dtype=dtype)
         counted[:covered] = 1
     if padding_idx >= 0:
-        not_padding = (ids != padding_idx).to(torch.float32)
+        not_padding = (ids != padding_idx).to(dtype)
         counted = not_padding if counted is None else counted * not_padding
     return bag_of, counted, starts.numel()
 
 
-def gradient_weights(bag_of, counted, bags, per_sample_weights, mode):
+def gradient_weights(bag_of, counted, bags, per_sample_weights, mode, dtype=torch.float32):
     """Each position's gradient factor (None: all 1): its per-sample weight,
     or 1 / its bag's counted size for a mean, times the `counted` mask."""
     if per_sample_weights is not None:
+        per_sample_weights = per_sample_weights.to(dtype)
         weights = per_sample_weights if counted is None else per_sample_weights * counted
     elif mode == "mean" and bags:
-        counted = torch.ones(bag_of.numel()) if counted is None else counted
-        size = torch.zeros(bags).index_add_(0, bag_of, counted)
+        counted = torch.ones(bag_of.numel(), dtype=dtype) if counted is None else counted
+        size = torch.zeros(bags, dtype=dtype).index_add_(0, bag_of, counted)
         weights = counted / size.clamp_(min=1).index_select(0, bag_of)
     else:
         weights = counted

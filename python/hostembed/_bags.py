@@ -68,10 +68,11 @@ def flatten(input, offsets, per_sample_weights, mode, include_last_offset, weigh
     _check_offsets(offsets, input.numel(), include_last_offset)
     if per_sample_weights is not None:
         if per_sample_weights.dtype not in (torch.float32, weights_dtype):
-            raise RuntimeError(f"{WHO}: per_sample_weights must be float32 or the outputs' dtype "
+            raise RuntimeError(f"{WHO}: per_sample_weights must be float32 or the table's dtype "
                                f"{weights_dtype}, got {per_sample_weights.dtype}")
-        # Pooled in float32; its gradient goes back in the caller's dtype.
-        per_sample_weights = per_sample_weights.to(torch.float32)
+        # Pooled in the table's dtype (torch's embedding_bag takes one dtype);
+        # its gradient goes back in the caller's.
+        per_sample_weights = per_sample_weights.to(weights_dtype)
     return input, offsets, per_sample_weights, include_last_offset
 
 

@@ -12,7 +12,7 @@ from . import _validate
 from ._cuda import require_cuda, resolve_device, unavailable_reason
 from ._files import FileRows, open_table
 from ._stream import copy_rows, read_rows
-from ._table import HostTable
+from ._table import HostTable, check_table_dtype
 
 # _weight value that leaves a new table zeroed instead of drawing N(0, 1):
 # for tables about to be filled from a file or another module.
@@ -52,8 +52,9 @@ class HostTableModule:
 
     def _init_table(self, num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype):
         name = self._get_name()
-        if dtype is not None and dtype != torch.float32:
-            raise TypeError(f"{name} keeps float32 tables; dtype={dtype} is not supported")
+        # torch's: the default dtype when none is given.
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        check_table_dtype(dtype, name)
         if num_embeddings < 0 or embedding_dim < 0:
             raise ValueError(
                 f"num_embeddings and embedding_dim must be >= 0, got {num_embeddings} and {embedding_dim}"
@@ -65,7 +66,7 @@ class HostTableModule:
         if not sparse:
             warnings.warn(
                 f"{name}(sparse=False): every backward builds a dense gradient as large as the "
-                f"whole table ({num_embeddings * embedding_dim * 4} bytes); use sparse=True with "
+                f"whole table ({num_embeddings * embedding_dim * dtype.itemsize} bytes); use sparse=True with "
                 "hostembed.SparseAdam unless you need a dense optimizer",
                 stacklevel=3,
             )
@@ -73,13 +74,10 @@ class HostTableModule:
         self.embedding_dim = embedding_dim
         self.sparse = sparse
         self._output_device = torch.device("cpu") if device is None else torch.device(device)
-        # What module casts (.half(), .double(), .to(dtype)) change: the
-        # outputs' dtype. The table itself stays float32.
-        self._output_dtype = torch.float32
         if self._output_device.type == "cuda":
             require_cuda(f"{name}(device={str(self._output_device)!r})")
 
-        self._table = HostTable(num_embeddings, embedding_dim, first_touch=True)
+        self._table = HostTable(num_embeddings, embedding_dim, dtype=dtype, first_touch=True)
         self.weight = nn.Parameter(self._table.tensor, requires_grad=not _freeze)
         self._table.bind(self.weight)
         # "gpu" or "cpu": which path the last forward took (tests assert the
@@ -99,13 +97,33 @@ class HostTableModule:
 
     @property
     def output_dtype(self) -> torch.dtype:
-        """The dtype of forward's outputs: float32 until a module cast
-        (``.half()``, ``.double()``, ``.to(dtype)``) changes it. The table
-        stays float32; gradients come back to it in float32."""
-        return self._output_dtype
+        """The dtype of forward's outputs: the table's, as with torch."""
+        return self._table.dtype
 
-    def _cast_output(self, out):
-        return out if self._output_dtype == torch.float32 else out.to(self._output_dtype)
+    @property
+    def stochastic_rounding(self) -> bool:
+        """float16 / bfloat16 tables: whether optimizer updates round the new
+        weights stochastically (up or down with probability proportional to
+        the distance, so small updates are not lost on average) instead of
+        to nearest even. Off by default: on, training is reproducible for a
+        given torch.manual_seed and thread count independent, but not bit
+        for bit the nearest-rounded result."""
+        return self._table.stochastic_rounding
+
+    @stochastic_rounding.setter
+    def stochastic_rounding(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"stochastic_rounding must be a bool, got {type(value).__name__}")
+        self._table.stochastic_rounding = value
+
+    def _retype(self, dtype) -> None:
+        """A module cast: the table's rows converted to dtype in host memory
+        (row chunks, the old memory freed after), the weight pointed at
+        them. Optimizer state converts at the optimizer's next step."""
+        weight = self._parameters["weight"]
+        new = self._table.retype(dtype, lambda dst, src: copy_rows(dst, src, desc=f"casting to {dtype}"))
+        weight.data = new
+        self._table.bind(weight)
 
     @property
     def output_device(self) -> torch.device:
@@ -166,7 +184,8 @@ class HostTableModule:
         for key, value in self.__dict__.items():
             if key not in ("_table", "_parameters"):
                 new.__dict__[key] = copy.deepcopy(value, memo)
-        table = HostTable(self._table.num_rows, self._table.dim, first_touch=True)
+        table = HostTable(self._table.num_rows, self._table.dim, dtype=self._table.dtype, first_touch=True)
+        table.stochastic_rounding, table.seed = self._table.stochastic_rounding, self._table.seed
         copy_rows(table.tensor, weight.detach())
         param = nn.Parameter(table.tensor, requires_grad=weight.requires_grad)
         memo[id(weight)] = param
@@ -188,7 +207,7 @@ class HostTableModule:
     def __setstate__(self, state):
         super().__setstate__(state)
         weight = self._parameters["weight"]
-        table = HostTable(*weight.shape, first_touch=True)
+        table = HostTable(*weight.shape, dtype=weight.dtype, first_touch=True)
         copy_rows(table.tensor, weight.detach())
         param = nn.Parameter(table.tensor, requires_grad=weight.requires_grad)
         self._parameters["weight"] = param
@@ -198,12 +217,13 @@ class HostTableModule:
     def _apply(self, fn, *args, **kwargs):
         # .to()/.cuda()/.cpu()/.half() arrive here as fn over every tensor.
         # Moving a 50 GB table to the GPU is exactly what this module exists
-        # to avoid: see where fn would send a tensor and send outputs there.
-        # The probe starts where outputs go now, in their dtype, so that a
-        # dtype-only cast (model.cuda().half()) keeps them there and a
-        # device-only move keeps their dtype.
+        # to avoid: see where fn would send a tensor and send outputs there;
+        # a dtype cast converts the table in host memory. The probe starts
+        # where outputs go now, in the table's dtype, so that a dtype-only
+        # cast (model.cuda().half()) keeps them there and a device-only move
+        # keeps the dtype.
         try:
-            probe = fn(torch.empty(0, device=self._output_device, dtype=self._output_dtype))
+            probe = fn(torch.empty(0, device=self._output_device, dtype=self._table.dtype))
             device = probe.device
         except (AssertionError, RuntimeError) as exc:
             # Only a move to a device torch cannot use fails on an empty
@@ -215,9 +235,10 @@ class HostTableModule:
                                f"but {reason}") from exc
         if device.type == "cuda":
             require_cuda(f"{self._get_name()} outputs on {device}")
+        if probe.is_floating_point() and probe.dtype != self._table.dtype:
+            check_table_dtype(probe.dtype, self._get_name())
+            self._retype(probe.dtype)
         self._output_device = device
-        if probe.is_floating_point():
-            self._output_dtype = probe.dtype
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -280,6 +301,6 @@ class HostTableModule:
 
     def extra_repr(self) -> str:
         # torch's options, then where the table and the outputs are.
-        dtype = "" if self._output_dtype == torch.float32 else f"{str(self._output_dtype).split('.')[-1]} "
-        return f"{super().extra_repr()}, table in host memory, outputs {dtype}on {self._output_device}"
+        dtype = "" if self._table.dtype == torch.float32 else f"{str(self._table.dtype).split('.')[-1]} "
+        return f"{super().extra_repr()}, {dtype}table in host memory, outputs on {self._output_device}"
 

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from . import _C, _fused
 from ._ids import ID_DTYPES
-from ._table import host_table_of, table_by_handle
+from ._table import DTYPE_CODES, host_table_of, table_by_handle
 
 CUDA_COMPILED = bool(getattr(_C, "CUDA_COMPILED", False))
 
@@ -85,13 +85,19 @@ def _cpu_ids(ids: Tensor) -> dict:
     return _ids(ids)
 
 
-def _float_rows(tensor: Tensor, count: int, dim: int, device) -> Tensor:
-    """tensor's values as a contiguous float32 [count, dim] matrix on device."""
-    return tensor.to(device=device, dtype=torch.float32).contiguous().reshape(count, dim)
+def _float_rows(tensor: Tensor, count: int, dim: int, device, dtype=torch.float32) -> Tensor:
+    """tensor's values as a contiguous [count, dim] matrix of dtype on device."""
+    return tensor.to(device=device, dtype=dtype).contiguous().reshape(count, dim)
 
 
-def scratch(*shape: int) -> Tensor:
-    """An uninitialised float32 CPU tensor from the core's scratch cache.
+def _grad_dtype(grad: Tensor):
+    """The dtype the core reduces an output gradient in: float64 for a
+    float64 gradient (a float64 table's), else float32."""
+    return torch.float64 if grad.dtype == torch.float64 else torch.float32
+
+
+def scratch(*shape: int, dtype=torch.float32) -> Tensor:
+    """An uninitialised CPU tensor of dtype from the core's scratch cache.
 
     For per-step buffers (lookup outputs, gradient values): when the last
     view of it dies, its pages go back to the cache and the next step of the
@@ -101,22 +107,26 @@ def scratch(*shape: int) -> Tensor:
     for n in shape:
         numel *= n
     if numel == 0:
-        return torch.empty(shape, dtype=torch.float32)
-    buf = _C.HostBuffer(numel * 4, scratch=True)
+        return torch.empty(shape, dtype=dtype)
+    buf = _C.HostBuffer(numel * dtype.itemsize, scratch=True)
     # The buffer may be larger (size classes): the prefix, as a tensor of
     # its own rather than a view (autograd refuses in-place changes of a
     # view that a Function returns, as `out += pos` is).
-    storage = torch.frombuffer(buf, dtype=torch.float32, count=numel).untyped_storage()
-    return torch.empty(0, dtype=torch.float32).set_(storage, 0, shape)
+    storage = torch.frombuffer(buf, dtype=dtype, count=numel).untyped_storage()
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
-def weight_grad(indices: Tensor, values: Tensor, num_rows: int, dim: int, sparse: bool) -> Tensor:
-    """The table's gradient from its reduced rows: row-sparse COO (already
-    coalesced: the indices are unique and ascending) or dense."""
+def weight_grad(indices: Tensor, values: Tensor, num_rows: int, dim: int, sparse: bool, dtype=None) -> Tensor:
+    """The table's gradient from its reduced rows, in the table's dtype
+    (values are rounded to a half table's dtype once, after the sum):
+    row-sparse COO (already coalesced: the indices are unique and
+    ascending) or dense."""
+    if dtype is not None and values.dtype != dtype:
+        values = values.to(dtype)
     if sparse:
         return torch.sparse_coo_tensor(indices.unsqueeze(0), values, (num_rows, dim), is_coalesced=True,
                                        check_invariants=False)
-    return torch.zeros(num_rows, dim, dtype=torch.float32, device=values.device).index_copy_(0, indices, values)
+    return torch.zeros(num_rows, dim, dtype=values.dtype, device=values.device).index_copy_(0, indices, values)
 
 
 # ---- unique ids of a batch (EmbeddingBag looks up each distinct row once)
@@ -173,8 +183,8 @@ def _lookup_rows(weight, ids, max_norm, norm_type):
             return out, None, table
     ids_args = _cpu_ids(ids)
     # The table's own buffer: host_table_of checked that weight is exactly it.
-    rows = {"table": table.buffer, "num_rows": table.num_rows, "dim": table.dim}
-    out = scratch(*ids.shape, table.dim)
+    rows = {"table": table.buffer, "num_rows": table.num_rows, "dim": table.dim, "dtype": table.code}
+    out = scratch(*ids.shape, table.dim, dtype=table.dtype)
     dedup = None
     if max_norm is not None:
         dedup = _C.Dedup(**ids_args, num_rows=table.num_rows)  # sorts; reads no rows
@@ -193,8 +203,9 @@ def gather_later(weight, ids):
     Python work is done here, so that thread holds the GIL only to enter
     the core."""
     table = host_table_of(weight, "a prefetch")
-    out = scratch(*ids.shape, table.dim)
-    args = dict(table=table.buffer, num_rows=table.num_rows, dim=table.dim, **_cpu_ids(ids), out=_address(out))
+    out = scratch(*ids.shape, table.dim, dtype=table.dtype)
+    args = dict(table=table.buffer, num_rows=table.num_rows, dim=table.dim, dtype=table.code, **_cpu_ids(ids),
+                out=_address(out))
 
     def gather():
         with table.lock:
@@ -205,14 +216,15 @@ def gather_later(weight, ids):
 
 @lookup.op.register_fake
 def _(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
-    return weight.new_empty(*ids.shape, weight.shape[1], dtype=torch.float32)
+    return weight.new_empty(*ids.shape, weight.shape[1])
 
 
 @_custom_op("hostembed::grad_reduce", mutates_args=())
 def grad_reduce(ids: Tensor, grad: Tensor, num_rows: int, padding_idx: int,
                 scale_grad_by_freq: bool) -> tuple[Tensor, Tensor]:
     """Sums grad's rows per unique id on the CPU: (indices int64 [k]
-    ascending, values float32 [k, D]), padding_idx (-1: none) left out.
+    ascending, values [k, D], float64 for a float64 grad, else float32),
+    padding_idx (-1: none) left out.
     Deterministic for any thread count; an id outside [0, num_rows) raises
     IndexError before anything is written."""
     return _reduce_rows(ids, grad, num_rows, padding_idx, scale_grad_by_freq)
@@ -223,48 +235,53 @@ def _reduce_rows(ids, grad, num_rows, padding_idx, scale_grad_by_freq, dedup=Non
     with pooling (a bag's _fused.Pooling), grad has a row per bag."""
     dim = grad.shape[-1]
     ids = ids.reshape(-1).contiguous()
-    rows, bags = _gradient_rows(grad, ids, dim, pooling)
+    dtype = _grad_dtype(grad)
+    rows, bags, _weights = _gradient_rows(grad, ids, dim, pooling, dtype)
     if dedup is None:
         dedup = _C.Dedup(**_cpu_ids(ids), num_rows=num_rows)
     indices = torch.empty(dedup.num_unique, dtype=torch.int64)
-    values = scratch(dedup.num_unique, dim)
+    values = scratch(dedup.num_unique, dim, dtype=dtype)
     written = _C.grad_reduce(dedup=dedup, grad=_address(rows), dim=dim, padding_idx=padding_idx,
                              scale_grad_by_freq=scale_grad_by_freq, values=_address(values),
-                             indices=_address(indices), **bags)
+                             indices=_address(indices), dtype=DTYPE_CODES[dtype], **bags)
     if written == dedup.num_unique:
         return indices, values
     return indices[:written].clone(), values[:written].clone()
 
 
-def _gradient_rows(grad, ids, dim, pooling):
-    """(grad as contiguous float32 rows, the core's pooling arguments): a row
-    per id, or with pooling a row per bag, each id's bag and weight checked
-    here for shape and by the core for range."""
+def _gradient_rows(grad, ids, dim, pooling, dtype):
+    """(grad as contiguous rows of dtype, the core's pooling arguments, the
+    row weights they point at, to keep until the call): a row per id, or
+    with pooling a row per bag, each id's bag and weight checked here for
+    shape and by the core for range (the weights converted to dtype)."""
     if pooling is None:
-        return _float_rows(grad, ids.numel(), dim, "cpu"), {"bag_of": 0, "row_weights": 0, "num_bags": 0}
+        return (_float_rows(grad, ids.numel(), dim, "cpu", dtype), {"bag_of": 0, "row_weights": 0, "num_bags": 0},
+                None)
     bag_of, weights = pooling.bag_of, pooling.row_weights
     if bag_of.dtype != torch.int64 or bag_of.shape != (ids.numel(),) or not bag_of.is_contiguous() or (
-            weights is not None and (weights.dtype != torch.float32 or weights.shape != bag_of.shape
-                                     or not weights.is_contiguous())):
-        raise ValueError(f"hostembed: a bag gradient takes contiguous int64 bag_of and float32 row_weights of "
-                         f"{ids.numel()} entries, got {bag_of.dtype} {list(bag_of.shape)} and "
+            weights is not None and (not weights.is_floating_point() or weights.shape != bag_of.shape)):
+        raise ValueError(f"hostembed: a bag gradient takes contiguous int64 bag_of and floating-point "
+                         f"row_weights of {ids.numel()} entries, got {bag_of.dtype} {list(bag_of.shape)} and "
                          f"{None if weights is None else (weights.dtype, list(weights.shape))}")
-    rows = grad.to(device="cpu", dtype=torch.float32).contiguous().reshape(-1, dim)
+    if weights is not None:
+        weights = weights.to(dtype).contiguous()
+    rows = grad.to(device="cpu", dtype=dtype).contiguous().reshape(-1, dim)
     return rows, {"bag_of": _address(bag_of), "row_weights": 0 if weights is None else _address(weights),
-                  "num_bags": rows.shape[0]}
+                  "num_bags": rows.shape[0]}, weights
 
 
 @grad_reduce.op.register_fake
 def _(ids, grad, num_rows, padding_idx, scale_grad_by_freq):
     unique = torch.library.get_ctx().new_dynamic_size()
     return (torch.empty(unique, dtype=torch.int64, device="cpu"),
-            torch.empty(unique, grad.shape[-1], dtype=torch.float32, device="cpu"))
+            torch.empty(unique, grad.shape[-1], dtype=_grad_dtype(grad), device="cpu"))
 
 
 def _lookup_setup(ctx, inputs, output):
     weight, ids, padding_idx, _, _, scale_grad_by_freq, sparse = inputs
     ctx.save_for_backward(ids)
     ctx.table_shape = tuple(weight.shape)
+    ctx.table_dtype = weight.dtype
     ctx.spec = (padding_idx, scale_grad_by_freq, sparse)
 
 
@@ -285,7 +302,7 @@ def _lookup_backward(ctx, grad_out):
             indices, values = grad_reduce.op(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq)
         else:
             indices, values = grad_reduce(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq)
-        grad = weight_grad(indices, values, num_rows, dim, sparse)
+        grad = weight_grad(indices, values, num_rows, dim, sparse, ctx.table_dtype)
     return grad, None, None, None, None, None, None
 
 
@@ -343,7 +360,8 @@ def sparse_update(kind: int, weight: Tensor, state, indices: Tensor, values: Ten
         _C.sparse_update(kind=kind, weight=table.buffer, state=buffers, num_rows=table.num_rows, dim=table.dim,
                          indices=_address(indices), values=_address(values), nnz=indices.numel(), lr=lr,
                          beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
-                         weight_decay=weight_decay)
+                         weight_decay=weight_decay, dtype=table.code, stochastic_rounding=table.stochastic_rounding,
+                         seed=table.seed)
         table.rows_changed(indices)
 
 
@@ -360,7 +378,8 @@ def sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indices: T
 
 def _row_gradient(table, indices, values, device, name="SparseAdam"):
     """A row-sparse gradient's (indices, values) as the core reads them:
-    int64 [nnz] and float32 [nnz, dim], contiguous, on `device`. Refuses any
+    int64 [nnz] and [nnz, dim] in the table's compute dtype, contiguous, on
+    `device`. Refuses any
     other shape (a values tensor with the right number of elements but
     another shape would otherwise be read as rows) before the core runs."""
     if indices.dim() != 1 or indices.dtype not in (torch.int64, torch.int32):
@@ -376,7 +395,7 @@ def _row_gradient(table, indices, values, device, name="SparseAdam"):
             f"{values.dtype} tensor"
         )
     indices = indices.to(device=device, dtype=torch.int64).contiguous()
-    values = values.to(device=device, dtype=torch.float32).contiguous()
+    values = values.to(device=device, dtype=table.state_dtype).contiguous()
     return indices, values
 
 
@@ -413,7 +432,7 @@ def sparse_update_fused(kind: int, weight: Tensor, state, gradient, *, lr: float
     table = host_table_of(weight, name)
     buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
     ids = gradient.ids.reshape(-1).contiguous()
-    rows, bags = _gradient_rows(gradient.grad, ids, table.dim, gradient.pooling)
+    rows, bags, _weights = _gradient_rows(gradient.grad, ids, table.dim, gradient.pooling, table.state_dtype)
     dedup = gradient.dedup
     if dedup is None:
         dedup = _C.Dedup(**_cpu_ids(ids), num_rows=table.num_rows)
@@ -423,7 +442,8 @@ def sparse_update_fused(kind: int, weight: Tensor, state, gradient, *, lr: float
                                scale_grad_by_freq=gradient.scale_grad_by_freq, kind=kind, weight=table.buffer,
                                state=buffers, num_rows=table.num_rows, dim=table.dim, lr=lr, beta1=beta1,
                                beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
-                               weight_decay=weight_decay, **bags)
+                               weight_decay=weight_decay, dtype=table.code,
+                               stochastic_rounding=table.stochastic_rounding, seed=table.seed, **bags)
         table.rows_changed(ids)
 
 
@@ -431,19 +451,21 @@ def reduce_to_host(table, gradient):
     """A fused table's lookup gradient (_fused.CpuGradient or GpuGradient)
     reduced as its unfused backward would: (indices, values) on the CPU."""
     if isinstance(gradient, _fused.CpuGradient):
-        return _reduce_rows(gradient.ids, gradient.grad, table.num_rows, gradient.padding_idx,
-                            gradient.scale_grad_by_freq, gradient.dedup, gradient.pooling)
+        indices, values = _reduce_rows(gradient.ids, gradient.grad, table.num_rows, gradient.padding_idx,
+                                       gradient.scale_grad_by_freq, gradient.dedup, gradient.pooling)
+        # Rounded to the table's dtype, as each lookup's weight.grad is.
+        return indices, values.to(table.dtype)
     indices, values = gradient.wait()
     return indices.cpu(), values.cpu()
 
 
 def _check_state(table, *state):
     for tensor in state:
-        if not (tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous()
+        if not (tensor.dtype == table.state_dtype and tensor.device.type == "cpu" and tensor.is_contiguous()
                 and tuple(tensor.shape) == (table.num_rows, table.dim)):
             raise RuntimeError(
                 f"hostembed: optimizer state for a [{table.num_rows}, {table.dim}] table must be a contiguous "
-                f"float32 CPU tensor of that shape, got a {list(tensor.shape)} {tensor.dtype} tensor on "
+                f"{str(table.state_dtype).split('.')[-1]} CPU tensor of that shape, got a {list(tensor.shape)} {tensor.dtype} tensor on "
                 f"{tensor.device}"
             )
 
@@ -465,7 +487,11 @@ def _need_cuda(what):
 
 def _pinned_rows(table, tensor, device, what):
     """The registered HostBuffer that tensor (the rows, or optimizer state)
-    is; the kernels reach it through its device address."""
+    is; the kernels reach it through its device address. They read float32
+    only: other tables take the CPU path (the modules send them there)."""
+    if table.dtype != torch.float32:
+        raise RuntimeError(f"hostembed: {what}: the GPU kernels take float32 tables, this one is "
+                           f"{str(table.dtype).split('.')[-1]}")
     buf = table.pinned_buffer(tensor, device, what)
     if buf is None:
         raise RuntimeError(f"hostembed: {what}: the host buffer is not pinned for the GPU (CUDA refused it)")

@@ -124,7 +124,7 @@ def _rows_per_chunk(row_bytes):
 def copy_rows(dst, src, *, release_source=False, progress=None, desc="copying rows"):
     """dst[:] = src one row chunk at a time (dtype and device converted by torch).
 
-    dst: a contiguous [N, D] float32 host table; src: any [N, D] tensor.
+    dst: a contiguous [N, D] host table; src: any [N, D] tensor.
     Pages of a file-mapped source are released as they are copied.
     release_source=True also drops an anonymous CPU source's pages (they read
     back as zeros): only for a caller that owns the last reference to it.
@@ -169,19 +169,19 @@ def _pread_exact(fd, view, offset, path):
 
 
 def read_rows(rows, dst, *, progress=None):
-    """Fills the [N, D] float32 table dst from rows (a _files.FileRows).
+    """Fills the [N, D] table dst from rows (a _files.FileRows).
 
     Chunks are read by a few threads at once (pread drops the GIL, and two
-    readers copy out of the page cache faster than one); a float32 file is
-    read straight into the table, other dtypes through one chunk buffer per
-    thread. Peak extra memory: threads x CHUNK_BYTES.
+    readers copy out of the page cache faster than one); a file of the
+    table's dtype is read straight into the table, other dtypes through one
+    chunk buffer per thread. Peak extra memory: threads x CHUNK_BYTES.
     """
     num_rows, dim = rows.shape
     if num_rows == 0 or dim == 0:
         return
     row_bytes = dim * rows.dtype.itemsize
     step = _rows_per_chunk(row_bytes)
-    direct = rows.dtype == torch.float32
+    direct = rows.dtype == dst.dtype
     table_bytes = _writable_bytes(dst) if direct else None
     local = threading.local()
     fd = os.open(rows.path, os.O_RDONLY)

@@ -20,7 +20,22 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _C
 
-_FLOAT_BYTES = 4
+# The dtypes a table may have, and their codes in the core (include/he_dtype.h).
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+def compute_dtype(dtype):
+    """The dtype the core computes in for a table of `dtype`: float64 for
+    float64 tables, float32 for the others. Gradients and optimizer state
+    are in it."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_table_dtype(dtype, who):
+    """A TypeError naming the dtypes a table may have, for any other."""
+    if dtype not in DTYPE_CODES:
+        raise TypeError(f"{who}: a host table is float32, float16, bfloat16 or float64; dtype={dtype} is not "
+                        "supported")
 
 # Parameter -> its HostTable. Weak on the parameter; the table never refers
 # back to it, so a dropped module frees the table.
@@ -76,7 +91,7 @@ def _in_forked_child():
     # parameters get an empty tensor so that a raw read raises instead of
     # crashing, and every op and `emb.weight` say why (check_process).
     for param in list(_tables.keys()):
-        param.data = torch.empty(0, dtype=torch.float32)
+        param.data = torch.empty(0, dtype=param.dtype)
 
 
 if hasattr(os, "register_at_fork"):
@@ -92,19 +107,19 @@ FORK_MESSAGE = (
 )
 
 
-def host_tensor(buf, num_rows, dim):
-    """A [num_rows, dim] float32 CPU tensor over a HostBuffer (no copy); the
+def host_tensor(buf, num_rows, dim, dtype=torch.float32):
+    """A [num_rows, dim] CPU tensor of dtype over a HostBuffer (no copy); the
     tensor keeps the buffer alive."""
     if num_rows * dim == 0:
-        return torch.zeros(num_rows, dim, dtype=torch.float32)
-    return torch.frombuffer(buf, dtype=torch.float32, count=num_rows * dim).view(num_rows, dim)
+        return torch.zeros(num_rows, dim, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=num_rows * dim).view(num_rows, dim)
 
 
-def allocate(num_rows, dim, *, first_touch=False):
-    """A zeroed HostBuffer for a [num_rows, dim] float32 table, or a
+def allocate(num_rows, dim, *, dtype=torch.float32, first_touch=False):
+    """A zeroed HostBuffer for a [num_rows, dim] table of dtype, or a
     MemoryError naming the size."""
-    nbytes = num_rows * dim * _FLOAT_BYTES
-    what = f"a [{num_rows}, {dim}] float32 table ({nbytes} bytes)"
+    nbytes = num_rows * dim * dtype.itemsize
+    what = f"a [{num_rows}, {dim}] {str(dtype).split('.')[-1]} table ({nbytes} bytes)"
     if nbytes > (1 << 63) - 1:
         raise MemoryError(f"hostembed: cannot allocate {what}: larger than any address space")
     try:
@@ -114,10 +129,17 @@ def allocate(num_rows, dim, *, first_touch=False):
 
 
 class HostTable:
-    """A [num_rows, dim] float32 table in core-owned host memory."""
+    """A [num_rows, dim] table in core-owned host memory, of one of the
+    DTYPE_CODES dtypes; its optimizer state is in compute_dtype(dtype)."""
 
-    def __init__(self, num_rows, dim, *, first_touch=True):
+    def __init__(self, num_rows, dim, *, dtype=torch.float32, first_touch=True):
         self.num_rows, self.dim = num_rows, dim
+        self.dtype = dtype
+        # Half tables: whether optimizer updates round the new weights
+        # stochastically, and the seed they draw from (from torch's RNG, so
+        # torch.manual_seed makes runs repeat).
+        self.stochastic_rounding = False
+        self.seed = int(torch.randint(0, 2**62, (1,)).item()) if dtype in (torch.float16, torch.bfloat16) else 0
         # Every buffer of this table with bytes in it (its rows and its
         # optimizer state), by host address: the ops hand the core the
         # buffer object a tensor views, never the tensor's address, so the
@@ -175,20 +197,54 @@ class HostTable:
         self.handle = id(self)
         _by_handle[self.handle] = self
 
-    def _new_buffer(self, *, first_touch=False, per_row=False):
+    @property
+    def code(self):
+        """The table's dtype as the core's he_dtype code."""
+        return DTYPE_CODES[self.dtype]
+
+    @property
+    def state_dtype(self):
+        return compute_dtype(self.dtype)
+
+    def _new_buffer(self, *, first_touch=False, per_row=False, dtype=None):
         width = 1 if per_row else self.dim
-        buf = allocate(self.num_rows, width, first_touch=first_touch)
+        dtype = self.dtype if dtype is None else dtype
+        buf = allocate(self.num_rows, width, dtype=dtype, first_touch=first_touch)
         if buf.nbytes:
             self._buffers[buf.address] = buf
-        tensor = host_tensor(buf, self.num_rows, width)
+        tensor = host_tensor(buf, self.num_rows, width, dtype)
         return buf, tensor.view(self.num_rows) if per_row else tensor
 
     def zeros(self, *, first_touch=False, per_row=False):
-        """A new zeroed float32 buffer of this table: [num_rows, dim] (rows
-        or per-element optimizer state), or [num_rows] with per_row (one
-        state value per row). Without first_touch, pages are backed only
-        once written: state of rows never trained costs nothing."""
-        return self._new_buffer(first_touch=first_touch, per_row=per_row)[1]
+        """A new zeroed optimizer-state buffer of this table, in its compute
+        dtype: [num_rows, dim] (per-element state), or [num_rows] with
+        per_row (one state value per row). Without first_touch, pages are
+        backed only once written: state of rows never trained costs
+        nothing."""
+        return self._new_buffer(first_touch=first_touch, per_row=per_row, dtype=self.state_dtype)[1]
+
+    def retype(self, dtype, copy):
+        """Converts the rows to `dtype` in new host memory: copy(dst, src)
+        fills the new [num_rows, dim] tensor from the old one (in chunks),
+        then the old memory is freed, so a cast holds the table once in each
+        dtype at its peak, never twice in one. Returns the new tensor; the
+        caller points the weight at it. Optimizer state made before stays
+        in the old compute dtype (an optimizer step then says so)."""
+        self.wait_for_gpu_use()
+        old_buffer, old_tensor = self.buffer, self.tensor
+        buf, tensor = self._new_buffer(first_touch=True, dtype=dtype)
+        copy(tensor, old_tensor)
+        if old_tensor.numel():
+            _by_address.pop(old_tensor.data_ptr(), None)
+            self._buffers.pop(old_buffer.address, None)
+        self.buffer, self.tensor, self.dtype = buf, tensor, dtype
+        if tensor.numel():
+            _by_address[tensor.data_ptr()] = self
+        if dtype in (torch.float16, torch.bfloat16) and not self.seed:
+            self.seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.register_refused = None
+        self.rows_changed(None)
+        return tensor
 
     def bind(self, param):
         """Makes table_of(param) find this table."""
@@ -200,17 +256,19 @@ class HostTable:
 
     def views(self, tensor):
         """True when tensor is exactly this table's rows: the whole buffer,
-        row-major, float32. A weight whose .data was swapped is not."""
-        return (tensor.dtype == torch.float32 and tuple(tensor.shape) == (self.num_rows, self.dim)
+        row-major, in the table's dtype. A weight whose .data was swapped is
+        not."""
+        return (tensor.dtype == self.dtype and tuple(tensor.shape) == (self.num_rows, self.dim)
                 and tensor.device.type == "cpu" and tensor.is_contiguous()
                 and (tensor.numel() == 0 or tensor.data_ptr() == self.tensor.data_ptr()))
 
     def owns(self, tensor):
         """True when tensor is exactly one of this table's buffers (its rows,
         or optimizer state made by zeros()): [num_rows, dim] (or [num_rows]
-        for per-row state) float32, row-major, from the buffer's first byte.
-        The core checks each shape against its buffer's size."""
-        if not (tensor.dtype == torch.float32 and tuple(tensor.shape) in self._state_shapes()
+        for per-row state), in the table's dtype or its compute dtype,
+        row-major, from the buffer's first byte. The core checks each shape
+        against its buffer's size."""
+        if not (tensor.dtype in (self.dtype, self.state_dtype) and tuple(tensor.shape) in self._state_shapes()
                 and tensor.device.type == "cpu" and tensor.is_contiguous()):
             return False
         return tensor.numel() == 0 or self._buffers.get(tensor.data_ptr()) is not None
@@ -224,8 +282,8 @@ class HostTable:
         tensors have no memory: the rows' (empty) buffer stands for them."""
         if not self.owns(tensor):
             raise RuntimeError(
-                f"hostembed: {what} of a [{self.num_rows}, {self.dim}] host table must be a float32 CPU tensor "
-                f"of that shape (or [{self.num_rows}] for per-row state) in the table's own host memory, got a {list(tensor.shape)} {tensor.dtype} tensor "
+                f"hostembed: {what} of a [{self.num_rows}, {self.dim}] {str(self.dtype).split('.')[-1]} host "
+                f"table must be a {str(self.state_dtype).split('.')[-1]} CPU tensor of that shape (or [{self.num_rows}] for per-row state) in the table's own host memory, got a {list(tensor.shape)} {tensor.dtype} tensor "
                 f"on {tensor.device}{'' if tensor.is_contiguous() else ', not contiguous'} that is not one"
             )
         if tensor.numel() == 0:

@@ -4,6 +4,7 @@ from torch import nn
 
 from . import _lookup_cpu, _lookup_gpu, _ops
 from ._host_module import _UNINITIALISED, HostTableModule, padding_index, pretrained_source
+from ._table import check_table_dtype
 from ._ids import prepare_ids
 from ._prefetch import Prefetch
 
@@ -21,11 +22,14 @@ class Embedding(HostTableModule, nn.Embedding):
       With outputs on a GPU (and the extension built with CUDA), lookups run
       on the GPU: ids may be on the CPU or the GPU, rows are read straight
       from the pinned table, and gradients are reduced on the GPU.
-    * The table is always float32; ``dtype`` other than float32 is refused.
-      Module casts (``.half()``, ``.bfloat16()``, ``.double()``,
-      ``.to(dtype)``) leave the table float32 and make the outputs that
-      dtype (``output_dtype``), so the rest of a cast model gets what it
-      expects; the gradient comes back to the table in float32.
+    * The table is float32, float16, bfloat16 or float64 (``dtype``, torch's
+      default dtype if None); module casts (``.half()``, ``.double()``,
+      ``.to(dtype)``...) convert it in host memory, and outputs and
+      gradients are in its dtype, as with torch. Arithmetic runs in float32
+      for float16 / bfloat16 tables (rounded on store; see
+      ``stochastic_rounding``) and in float64 for float64 ones; optimizer
+      state is float32 (float64 for float64 tables). GPU outputs of tables
+      other than float32 are looked up by the CPU core and copied.
     * ``scale_grad_by_freq`` works with sparse gradients too.
 
     It is a subclass of ``torch.nn.Embedding``, so code that recognises
@@ -53,11 +57,12 @@ class Embedding(HostTableModule, nn.Embedding):
             # Eager bookkeeping; the ops check the same facts at run time,
             # compiled or not.
             self._prepare_weight()
-        gpu = self._output_device.type == "cuda" and self._table.register_refused is None
+        gpu = self._output_device.type == "cuda" and self._table.register_refused is None \
+            and self._table.dtype == torch.float32
         out = (_lookup_gpu if gpu else _lookup_cpu).lookup(self, input)
         if not compiling:
             self._last_lookup_path = "gpu" if gpu else "cpu"
-        return self._cast_output(out)
+        return out
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Starts gathering the rows of `ids` in the background, for the next
@@ -98,8 +103,8 @@ class Embedding(HostTableModule, nn.Embedding):
         ``.npy``; ``.safetensors``; ``.pt``/``.pth`` written by torch.save
         (a tensor, or a state_dict-like mapping, nested mappings addressed
         with dotted keys). key: the entry to load; by default the file's only
-        2-D float tensor, else ``"weight"``. float16, bfloat16 and float64
-        rows are converted to float32 on the way in.
+        2-D float tensor, else ``"weight"``. The table keeps the source's
+        dtype (float32, float16, bfloat16 or float64; TypeError for others).
 
         Rows stream into the table in bounded chunks, so loading needs the
         table's memory plus a few chunks, never the file's size again.
@@ -108,7 +113,9 @@ class Embedding(HostTableModule, nn.Embedding):
         """
         source = pretrained_source(embeddings, key)
         rows, cols = source.shape
+        check_table_dtype(source.dtype, "hostembed.Embedding.from_pretrained")
         emb = cls(num_embeddings=rows, embedding_dim=cols, _weight=_UNINITIALISED, _freeze=freeze,
+                  dtype=source.dtype,
                   padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
                   scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
         emb._fill_from(source, progress)

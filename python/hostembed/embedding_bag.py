@@ -5,6 +5,7 @@ from torch import nn
 
 from . import _bag_cpu, _bags, _lookup_cpu, _lookup_gpu, _ops
 from ._host_module import _UNINITIALISED, HostTableModule, padding_index, pretrained_source
+from ._table import check_table_dtype
 from ._ids import prepare_ids
 from ._lookup_cpu import _max_norm
 
@@ -30,8 +31,8 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
     Differences from torch, as for hostembed.Embedding: ``sparse=True`` by
     default (and allowed with mode ``"max"``, which torch refuses); the
     table stays in host memory and ``device`` / ``.to()`` move the outputs;
-    the table is float32 (module casts change the outputs' dtype, and bags
-    are pooled in float32 then cast); an input with offsets that decrease raises
+    the table's dtype is any of hostembed.Embedding's (bags are pooled in
+    it, by torch's embedding_bag); an input with offsets that decrease raises
     RuntimeError (torch may read out of bounds).
     """
 
@@ -52,11 +53,12 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
     def forward(self, input, offsets=None, per_sample_weights=None):
         _bags.check_options(self.mode, self.scale_grad_by_freq)
         ids, offsets, per_sample_weights, include_last_offset = _bags.flatten(
-            input, offsets, per_sample_weights, self.mode, self.include_last_offset, self._output_dtype)
+            input, offsets, per_sample_weights, self.mode, self.include_last_offset, self._table.dtype)
         compiling = torch.compiler.is_compiling()
         if not compiling:
             self._prepare_weight()
-        gpu = self._output_device.type == "cuda" and self._table.register_refused is None
+        gpu = self._output_device.type == "cuda" and self._table.register_refused is None \
+            and self._table.dtype == torch.float32
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
         if not gpu and not compiling and self.mode != "max":
             out = _bag_cpu.PooledLookup.apply(
@@ -65,7 +67,7 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
                 include_last_offset, padding_idx, _max_norm(self), float(self.norm_type), self.scale_grad_by_freq,
                 self.sparse)
             self._last_lookup_path = "cpu"
-            return self._cast_output(out.to(self._output_device))
+            return out.to(self._output_device)
         unique, inverse = self._unique(ids, gpu, compiling)
         # Each distinct row once, renormed (max_norm) and range-checked by
         # the lookup; its backward sums the rows' gradients into the table's.
@@ -82,10 +84,9 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
             rows.register_hook(lambda grad: grad / counts.unsqueeze(1))
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.to(device)
-        return self._cast_output(F.embedding_bag(inverse, rows, offsets.to(device), mode=self.mode, sparse=False,
-                                                 per_sample_weights=per_sample_weights,
-                                                 include_last_offset=include_last_offset,
-                                                 padding_idx=_bag_cpu.padding_row(unique, padding_idx)))
+        return F.embedding_bag(inverse, rows, offsets.to(device), mode=self.mode, sparse=False,
+                               per_sample_weights=per_sample_weights, include_last_offset=include_last_offset,
+                               padding_idx=_bag_cpu.padding_row(unique, padding_idx))
 
     def _unique(self, ids, gpu, compiling):
         """(unique ids, inverse): by the core's sort for CPU ids, by torch's
@@ -107,7 +108,9 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
         :meth:`hostembed.Embedding.from_pretrained`."""
         source = pretrained_source(embeddings, key)
         rows, cols = source.shape
+        check_table_dtype(source.dtype, "hostembed.EmbeddingBag.from_pretrained")
         bag = cls(num_embeddings=rows, embedding_dim=cols, _weight=_UNINITIALISED, _freeze=freeze,
+                  dtype=source.dtype,
                   max_norm=max_norm, norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq, mode=mode,
                   sparse=sparse, include_last_offset=include_last_offset, padding_idx=padding_idx)
         bag._fill_from(source, progress)

@@ -297,7 +297,7 @@ def _reusable(table, tensor):
     """True when `tensor` is a whole state buffer of `table` (one the core
     allocated for it, not the rows themselves), which a load may overwrite
     in place."""
-    if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0 or tensor.dtype != torch.float32 \
+    if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0 or tensor.dtype != table.state_dtype \
             or tensor.device.type != "cpu" or not tensor.is_contiguous() \
             or tuple(tensor.shape) != (table.num_rows, table.dim):
         return False
@@ -357,7 +357,8 @@ class _LoadPlan:
                 if table is None:
                     self.state[saved_id] = entry  # torch's own load casts it
                     continue
-                # The core keeps an int step and float32 moments in its own memory.
+                # The core keeps an int step and the moments (in the table's compute
+                # dtype) in its own memory.
                 self.state[saved_id] = {"step": step}
                 current = optimizer.state.get(p) or {}  # get: the state is a defaultdict
                 for key in _STATE_TENSORS:
@@ -416,3 +417,10 @@ class _LoadPlan:
         for moment in self.moments:
             state[moment.saved_id][moment.key] = moment.destination
         torch.optim.SparseAdam.load_state_dict(self.optimizer, {"state": state, "param_groups": self.groups})
+        # torch's load casts floating state to the parameter's dtype; a host
+        # table's moments are in its compute dtype (float32 for a half
+        # table), in the buffers staged for them.
+        params = {saved: p for saved_group, group in zip(self.groups, self.optimizer.param_groups)
+                  for saved, p in zip(saved_group["params"], group["params"])}
+        for moment in self.moments:
+            self.optimizer.state[params[moment.saved_id]][moment.key] = moment.destination

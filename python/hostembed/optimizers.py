@@ -164,7 +164,16 @@ class _HostStep:
                     self._check_state(entry, p, f"{where}: state of parameter {saved_id}")
             if any(table_of(p) is not None for _, p in pairs):
                 self._check_host_group(group, group_where)
+        # torch's load casts floating state to the parameter's dtype; a host
+        # table keeps its state in its compute dtype (float32 for a half
+        # table), so those values go in as saved and convert once.
+        host_state = [(p, key, value) for _, _, pairs in layout for saved_id, p in pairs
+                      if table_of(p) is not None
+                      for key, value in (state_dict["state"].get(saved_id) or {}).items()
+                      if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()]
         super().load_state_dict(state_dict)
+        for p, key, value in host_state:
+            self.state[p][key] = value.to(device="cpu", dtype=table_of(p).state_dtype)
 
     def _check_state(self, entry, p, where):
         _validate.check_state_values(entry, p, where)
@@ -308,9 +317,10 @@ class RowWiseAdagrad(_HostStep, torch.optim.Optimizer):
         row_sum += mean(g * g over the row)
         w       -= lr / (sqrt(row_sum) + eps) * g
 
-    in float32 (the squares summed in column order, then divided by the
-    row's length; ``maximize`` negates g). State keys: ``step`` (an int, the
-    steps taken) and ``row_sum`` (a float32 tensor of shape
+    in the table's compute dtype (float32; float64 for a float64 table),
+    the squares summed in column order, then divided by the row's length
+    (``maximize`` negates g). State keys: ``step`` (an int, the steps
+    taken) and ``row_sum`` (a tensor of that dtype, of shape
     [num_embeddings], made at the first step; pages backed as rows are
     first written). Other parameters are refused: use torch.optim.Adagrad.
     """
@@ -373,7 +383,8 @@ class RowWiseAdagrad(_HostStep, torch.optim.Optimizer):
     def _host_args(self, p, table, group):
         state = self.state.get(p)  # not self.state[p]: a defaultdict would add an entry
         if state:
-            row_sum, step = owned_state(table, state["row_sum"].to(torch.float32), per_row=True), state["step"]
+            row_sum = owned_state(table, state["row_sum"].to(table.state_dtype), per_row=True)
+            step = state["step"]
             step = int(step.item() if isinstance(step, torch.Tensor) else step)
         else:
             row_sum, step = table.zeros(per_row=True), 0

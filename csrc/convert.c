@@ -1,0 +1,207 @@
+#include "convert.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "simd.h"
+
+static inline uint32_t f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float f32_of_bits(uint32_t u);
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    return f32_of_bits((uint32_t)h << 16);
+}
+
+/* torch's c10::BFloat16 rounding: nearest even, NaN to the quiet 0x7FC0. */
+static inline uint16_t f32_to_bf16(float f)
+{
+    if (isnan(f))
+        return 0x7FC0;
+    uint32_t u = f32_bits(f);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float f32_of_bits(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* float16 <-> float32 in integer arithmetic (no compiler _Float16 or F16C
+ * needed: one code path on every compiler the core builds with). Widening
+ * is exact; subnormal halves are m * 2^-24. */
+static inline float f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    if (exp == 0x1F)
+        return f32_of_bits(sign | 0x7F800000u | (man << 13));
+    if (exp != 0)
+        return f32_of_bits(sign | ((exp + 112u) << 23) | (man << 13));
+    float f = (float)man * 0x1p-24f;
+    return sign ? -f : f;
+}
+
+/* Nearest even, as torch's float -> half: NaN stays a (quiet) NaN, values
+ * from 65520 up become inf. */
+static inline uint16_t f32_to_f16(float f)
+{
+    uint32_t u = f32_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u)
+        return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+    if (a >= 0x477FF000u) /* 65520 and up, inf included */
+        return (uint16_t)(sign | 0x7C00u);
+    if (a >= 0x38800000u) { /* a normal half (>= 2^-14): rebias the exponent, round the 13 dropped bits */
+        uint32_t r = a - 0x38000000u + 0x0FFFu + ((a >> 13) & 1u);
+        return (uint16_t)(sign | (r >> 13));
+    }
+    /* A subnormal half or zero: m = |f| * 2^24 rounded to an integer (exact
+     * scaling; adding 2^23 rounds to nearest even in float). m = 1024 is the
+     * smallest normal's bit pattern, which is right. */
+    float m = fabsf(f) * 0x1p24f;
+    m = (m + 0x1p23f) - 0x1p23f;
+    return (uint16_t)(sign | (uint16_t)m);
+}
+
+/* splitmix64's finaliser: a counter-based draw, no state between calls. */
+static inline uint64_t mix64(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static inline uint64_t draw(uint64_t seed, int64_t row, int64_t col)
+{
+    return mix64(seed ^ mix64((uint64_t)row * 0x9E3779B97F4A7C15ull + (uint64_t)col));
+}
+
+/* bfloat16 keeps the top 16 bits of a float32: adding 16 random low bits
+ * before truncating rounds up with probability (dropped bits) / 2^16. */
+static inline uint16_t f32_to_bf16_sr(float f, uint64_t r)
+{
+    if (!isfinite(f))
+        return f32_to_bf16(f);
+    uint32_t u = f32_bits(f);
+    uint32_t up = u + (uint32_t)(r & 0xFFFFu);
+    /* Past the largest finite bfloat16: nearest even decides (inf or max). */
+    if (((up >> 23) & 0xFFu) == 0xFFu)
+        return f32_to_bf16(f);
+    return (uint16_t)(up >> 16);
+}
+
+/* float16 has no such bit trick below its normal range: take the nearest
+ * value and its neighbour on the other side of x, and pick the far one
+ * with probability |x - near| / |far - near|. */
+static inline uint16_t f32_to_f16_sr(float x, uint64_t r)
+{
+    uint16_t near = f32_to_f16(x);
+    float nf = f16_to_f32(near);
+    if (nf == x || !isfinite(x) || isinf(nf))
+        return near;
+    /* One ulp away from zero or towards it, in sign-magnitude. */
+    int away = fabsf(x) > fabsf(nf);
+    uint16_t mag = near & 0x7FFFu, sign = near & 0x8000u;
+    if (!away && mag == 0)
+        return near; /* cannot happen (|x| > 0 = |near| means away), kept for safety */
+    uint16_t far = (uint16_t)(sign | (away ? mag + 1u : mag - 1u));
+    float ff = f16_to_f32(far);
+    if (isinf(ff))
+        return near;
+    double p = fabs((double)x - nf) / fabs((double)ff - nf);
+    double u = (double)(r >> 11) * (1.0 / 9007199254740992.0); /* [0, 1) */
+    return u < p ? far : near;
+}
+
+HE_SIMD_CLONES_FMA
+void he_row_to_f32(int dtype, const void *src, float *dst, int64_t n)
+{
+    if (dtype == HE_F16) {
+        const uint16_t *s = src;
+        for (int64_t j = 0; j < n; j++)
+            dst[j] = f16_to_f32(s[j]);
+    } else if (dtype == HE_BF16) {
+        const uint16_t *s = src;
+        for (int64_t j = 0; j < n; j++)
+            dst[j] = bf16_to_f32(s[j]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+HE_SIMD_CLONES_FMA
+static void row_from_f32_nearest(int dtype, const float *src, void *dst, int64_t n)
+{
+    if (dtype == HE_F16) {
+        uint16_t *d = dst;
+        for (int64_t j = 0; j < n; j++)
+            d[j] = f32_to_f16(src[j]);
+    } else if (dtype == HE_BF16) {
+        uint16_t *d = dst;
+        for (int64_t j = 0; j < n; j++)
+            d[j] = f32_to_bf16(src[j]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+void he_row_from_f32(int dtype, const float *src, void *dst, int64_t n, int stochastic, uint64_t seed, int64_t row,
+                     int64_t col0)
+{
+    if (!stochastic || dtype == HE_F32) {
+        row_from_f32_nearest(dtype, src, dst, n);
+        return;
+    }
+    if (dtype == HE_F16) {
+        uint16_t *d = dst;
+        for (int64_t j = 0; j < n; j++)
+            d[j] = f32_to_f16_sr(src[j], draw(seed, row, col0 + j));
+    } else {
+        uint16_t *d = dst;
+        for (int64_t j = 0; j < n; j++)
+            d[j] = f32_to_bf16_sr(src[j], draw(seed, row, col0 + j));
+    }
+}
+
+void he_round_row_f32(int dtype, const float *src, float *dst, int64_t n)
+{
+    if (dtype != HE_F16 && dtype != HE_BF16) {
+        memmove(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t half[256];
+    for (int64_t col = 0; col < n; col += 256) {
+        int64_t m = n - col < 256 ? n - col : 256;
+        row_from_f32_nearest(dtype, src + col, half, m);
+        he_row_to_f32(dtype, half, dst + col, m);
+    }
+}
+
+double he_elem_to_f64(int dtype, const void *row, int64_t j)
+{
+    switch (dtype) {
+    case HE_F16: return (double)f16_to_f32(((const uint16_t *)row)[j]);
+    case HE_BF16: return (double)bf16_to_f32(((const uint16_t *)row)[j]);
+    case HE_F64: return ((const double *)row)[j];
+    default: return (double)((const float *)row)[j];
+    }
+}
+
+double he_round_to(int dtype, double x)
+{
+    switch (dtype) {
+    case HE_F16: return (double)f16_to_f32(f32_to_f16((float)x));
+    case HE_BF16: return (double)bf16_to_f32(f32_to_bf16((float)x));
+    case HE_F64: return x;
+    default: return (double)(float)x;
+    }
+}
