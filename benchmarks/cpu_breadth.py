@@ -11,6 +11,10 @@ order rotated each round, and freed before the next group:
   * the bag group: hostembed.EmbeddingBag against torch.nn.EmbeddingBag
     (sparse=True), both with SparseAdam, on the same ids in bags;
   * every hostembed optimizer also with fused=True (its update in backward);
+  * the bfloat16 group: hostembed.SparseAdam on a bfloat16 table (float32
+    state and arithmetic) against torch's SparseAdam on a bfloat16
+    nn.Embedding (bfloat16 state), checked against the float32 yardstick
+    within bfloat16 rounding;
   * where fbgemm-gpu-cpu is installed, FBGEMM's table-batched embedding with
     EXACT_ROWWISE_ADAGRAD (its CPU has no Adam), plain and in bags, against
     hostembed's RowWiseAdagrad, the same formula.
@@ -38,6 +42,7 @@ from _common import (RESULTS_DIR, OtherLoad, copy_bandwidth, fail, fmt_ms, log, 
 hostembed = require_hostembed()
 
 YARDSTICK = "hostembed SparseAdam"
+BF16 = "hostembed SparseAdam, bfloat16 table"
 FBGEMM_ROWWISE = "FBGEMM TBE, EXACT_ROWWISE_ADAGRAD"
 FBGEMM_ROWWISE_BAG = "FBGEMM TBE (SUM), EXACT_ROWWISE_ADAGRAD"
 # Bytes each updated element moves: weight read + written, gradient read,
@@ -58,6 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (the first allocates the state)")
     p.add_argument("--threads", type=int, default=usable_cpus(), help="torch and hostembed threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--groups", nargs="*", default=None, help="run only these groups (default: all)")
     p.add_argument("--copy-mib", type=int, default=1024, help="buffer size for the copy bandwidth ceiling")
     p.add_argument("--json", default=os.path.join(RESULTS_DIR, "cpu_breadth.json"))
     args = p.parse_args(argv)
@@ -70,16 +76,16 @@ def parse_args(argv=None):
 
 # --- contenders: (module, optimizer) makers, each built after the same seed
 
-def host(opt_cls, **hyper):
+def host(opt_cls, dtype=torch.float32, **hyper):
     def make(args):
-        emb = hostembed.Embedding(args.rows, args.dim)
+        emb = hostembed.Embedding(args.rows, args.dim, dtype=dtype)
         return emb, opt_cls(emb.parameters(), **hyper)
     return make
 
 
-def torch_sparse(opt_cls, **hyper):
+def torch_sparse(opt_cls, dtype=torch.float32, **hyper):
     def make(args):
-        emb = torch.nn.Embedding(args.rows, args.dim, sparse=True)
+        emb = torch.nn.Embedding(args.rows, args.dim, sparse=True, dtype=dtype)
         return emb, opt_cls(emb.parameters(), **hyper)
     return make
 
@@ -102,7 +108,7 @@ def rowwise_bag(fused):
 
 def groups():
     """{group: ({contender: make}, the contender checked, its reference
-    (torch's, or FBGEMM's) or None, bags?)}."""
+    (torch's, or FBGEMM's) or None, bags?[, {check_against, rtol}])}."""
     adam = host(hostembed.SparseAdam, lr=1e-3)
     specs = {
         "SGD": ({"hostembed SGD": host(hostembed.SGD, lr=0.01),
@@ -125,6 +131,14 @@ def groups():
                                "hostembed EmbeddingBag + SparseAdam(fused=True)": bag(hostembed.EmbeddingBag, True),
                                "torch EmbeddingBag + SparseAdam": bag(torch.nn.EmbeddingBag)},
                               "hostembed EmbeddingBag + SparseAdam", "torch EmbeddingBag + SparseAdam", True),
+        "bfloat16 table": ({YARDSTICK: adam,
+                            BF16: host(hostembed.SparseAdam, torch.bfloat16, lr=1e-3),
+                            BF16 + "(fused=True)": host(hostembed.SparseAdam, torch.bfloat16, lr=1e-3, fused=True),
+                            "torch SparseAdam, bfloat16 table": torch_sparse(torch.optim.SparseAdam, torch.bfloat16,
+                                                                             lr=1e-3)},
+                           BF16, "torch SparseAdam, bfloat16 table", False,
+                           # checked against float32 Adam within a few bfloat16 roundings
+                           {"check_against": YARDSTICK, "rtol": 4 * 2.0 ** -8}),
     }
     if fbgemm_available():
         rowwise = specs["RowWiseAdagrad"][0]
@@ -197,6 +211,10 @@ def fbgemm_available():
         return False
 
 
+def table_bytes(module):
+    return module.weight.numel() * module.weight.element_size()
+
+
 def state_bytes(opt):
     return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                if isinstance(t, torch.Tensor) and t.dim() > 0)
@@ -211,7 +229,9 @@ def step(module, opt, ids, grad_out):
 
 
 def run_group(args, name, spec, batches):
-    makes, checked, twin, bags = spec
+    makes, checked, twin, bags = spec[:4]
+    check = spec[4] if len(spec) > 4 else {}
+    rtol, against = check.get("rtol", 1e-4), check.get("check_against", twin)
     shape = (args.batch // args.bag, args.bag) if bags else (args.batch,)
     inputs = [ids.view(shape) for ids in batches]
     grad_out = torch.randn(shape[0], args.dim, generator=torch.Generator().manual_seed(args.seed + 1))
@@ -224,9 +244,9 @@ def run_group(args, name, spec, batches):
         for module, opt in built.values():
             step(module, opt, ids, grad_out)
     if checked is not None:
-        ours, theirs = built[checked][0].weight.detach(), built[twin][0].weight.detach()
-        if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5):
-            fail(f"{name}: after {len(warm)} steps hostembed's weights differ from {twin}'s by "
+        ours, theirs = built[checked][0].weight.detach().float(), built[against][0].weight.detach().float()
+        if not torch.allclose(ours, theirs, rtol=rtol, atol=1e-5):
+            fail(f"{name}: after {len(warm)} steps hostembed's weights differ from {against}'s by "
                  f"{(ours - theirs).abs().max().item():.3g}; not timing a wrong result")
     other_load = OtherLoad()
     names = list(built)
@@ -238,6 +258,7 @@ def run_group(args, name, spec, batches):
     for n in names:
         contenders[n] = summarize_ms(seconds[n])
         contenders[n]["state_bytes"] = state_bytes(built[n][1])
+        contenders[n]["table_bytes"] = table_bytes(built[n][0])
     del built
     gc.collect()
     return {"contenders": contenders, "checked": checked, "reference": twin,
@@ -250,7 +271,11 @@ def traffic_bytes(args, contender, unique):
     distinct row once), the update moves UPDATE_BYTES per updated element."""
     kind = next(k for k in ("RowWiseAdagrad", "Adagrad", "SGD", "SparseAdam") if k in contender)
     looked_up = unique if "EmbeddingBag" in contender else args.batch
-    return 8 * looked_up * args.dim + UPDATE_BYTES[kind] * unique * args.dim
+    # A bfloat16 table moves half the bytes per weight: 2 read + 2 written
+    # per gathered element, 4 fewer per updated one.
+    half = "bfloat16" in contender
+    gather = 4 if half else 8
+    return gather * looked_up * args.dim + (UPDATE_BYTES[kind] - (4 if half else 0)) * unique * args.dim
 
 
 def print_report(args, report):
@@ -258,8 +283,9 @@ def print_report(args, report):
     print(f"\nN={args.rows:,} x D={args.dim}, B={args.batch:,} Zipf({args.alpha}) ids "
           f"({report['unique_mean']:,.0f} unique on average), {args.threads} threads; bags of {args.bag}; median "
           f"of {args.steps} interleaved rounds; host copy bandwidth {copy_bps / 1e9:.1f} GB/s\n")
-    print("| group | contender | ms/step | vs reference | vs hostembed SparseAdam | of copy bandwidth | state |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| group | contender | ms/step | vs reference | vs hostembed SparseAdam | of copy bandwidth | table | "
+          "state |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for group, result in report["groups"].items():
         contenders = result["contenders"]
         reference_ms = contenders[result["reference"]]["median_ms"] if result["reference"] else None
@@ -272,7 +298,7 @@ def print_report(args, report):
             vs_yard = f"{yard / ms:.2f}x" if yard and ours and n != YARDSTICK else ""
             share = f"{r['traffic_bytes'] / (ms / 1e3) / copy_bps:.0%}" if ours else ""
             print(f"| {group} | {n} | {fmt_ms(ms)} | {vs_reference} | {vs_yard} | {share} | "
-                  f"{r['state_bytes'] / 2**20:.1f} MiB |")
+                  f"{r['table_bytes'] / 2**20:.0f} MiB | {r['state_bytes'] / 2**20:.1f} MiB |")
     others = [r["cpu_fraction_used_by_others"] for r in report["groups"].values()]
     known = [o for o in others if o is not None]
     print(f"\nOther processes took {max(known):.0%} of the CPUs at most during a group" if known else
@@ -289,6 +315,8 @@ def main(argv=None):
               "copy_bandwidth": copy_bandwidth(args.copy_mib << 20, 5, args.threads),
               "unique_mean": sum(torch.unique(ids).numel() for ids in batches) / len(batches)}
     for name, spec in groups().items():
+        if args.groups is not None and name not in args.groups:
+            continue
         log(f"{name}: building, {args.warmup} warm-up steps, check, {args.steps} timed rounds")
         result = run_group(args, name, spec, batches)
         for n, r in result["contenders"].items():

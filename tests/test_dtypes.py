@@ -330,3 +330,21 @@ def test_half_bag_takes_per_sample_weights_of_its_dtype_or_float32():
     assert torch.equal(ours(ids, per_sample_weights=psw.float()), ref(ids, per_sample_weights=psw))
     with pytest.raises(RuntimeError, match="per_sample_weights must be float32 or the table's dtype"):
         ours(ids, per_sample_weights=psw.double())
+
+
+def test_replace_embeddings_keeps_each_tables_dtype():
+    model = nn.Sequential(nn.Embedding(50, 4, dtype=torch.bfloat16), nn.EmbeddingBag(40, 4, dtype=torch.float64))
+    weights = [m.weight.detach().clone() for m in model]
+    hostembed.replace_embeddings(model, min_rows=1)
+    assert isinstance(model[0], hostembed.Embedding) and isinstance(model[1], hostembed.EmbeddingBag)
+    for module, weight in zip(model, weights):
+        assert module.weight.dtype == weight.dtype and torch.equal(module.weight, weight)
+
+
+def test_a_cast_drops_an_outstanding_prefetch():
+    emb = hostembed.Embedding(20, 4)
+    ids = torch.tensor([1, 2, 3])
+    emb.prefetch(ids)
+    emb.half()
+    out = emb(ids)
+    assert out.dtype == torch.float16 and torch.equal(out, emb.weight[ids])

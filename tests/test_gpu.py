@@ -925,3 +925,28 @@ def test_fused_optimizers_with_gpu_outputs_give_the_unfused_bits(make):
             opt.step()
     assert fused.weight.grad is None
     assert torch.equal(fused.weight, plain.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("ids_device", ID_DEVICES)
+def test_tables_of_other_dtypes_with_gpu_outputs_go_through_the_cpu_core(dtype, ids_device):
+    # The kernels read float32 tables; other dtypes are looked up and
+    # updated by the CPU core, their outputs copied to the GPU, and train
+    # bit for bit as the same table with CPU outputs.
+    torch.manual_seed(0)
+    gpu = hostembed.Embedding(1000, 16, dtype=dtype, device="cuda")
+    cpu = hostembed.Embedding.from_pretrained(gpu.weight.detach(), freeze=False)
+    opt_g, opt_c = hostembed.SparseAdam(gpu.parameters(), lr=0.01), hostembed.SparseAdam(cpu.parameters(), lr=0.01)
+    for step in range(3):
+        ids = zipf_ids(1000, 500, generator=torch.Generator().manual_seed(step))
+        out_g, out_c = gpu(ids.to(ids_device)), cpu(ids)
+        assert out_g.device.type == "cuda" and out_g.dtype == dtype and gpu._last_lookup_path == "cpu"
+        assert torch.equal(out_g.cpu(), out_c)
+        out_g.float().square().sum().backward()
+        out_c.float().square().sum().backward()
+        opt_g.step()
+        opt_c.step()
+        opt_g.zero_grad()
+        opt_c.zero_grad()
+        assert opt_g._last_update == "cpu"
+    assert torch.equal(gpu.weight.view(-1), cpu.weight.view(-1))

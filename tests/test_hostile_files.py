@@ -600,7 +600,7 @@ def test_safetensors_acceptance_agrees_with_the_safetensors_library(tmp_path, fi
         return
     with safe_open(path, "pt") as f:  # raises if hostembed accepted what the library refuses
         expected = f.get_tensor("weight")
-    torch.testing.assert_close(got, expected.float(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -619,5 +619,5 @@ def test_npy_acceptance_agrees_with_numpy(tmp_path, descr, fortran, shape, extra
     except (ValueError, TypeError, KeyError):
         return
     expected = np.load(path, allow_pickle=False)  # raises if hostembed accepted what numpy refuses
-    torch.testing.assert_close(got, torch.from_numpy(np.ascontiguousarray(expected)).float(), rtol=0, atol=0,
+    torch.testing.assert_close(got, torch.from_numpy(np.ascontiguousarray(expected)), rtol=0, atol=0,
                                equal_nan=True)

@@ -139,7 +139,7 @@ class HostTableModule:
         weight = self._parameters["weight"]
         if not table.views(weight):
             self._adopt(weight)
-        if self._output_device.type == "cuda" and table.register_refused is None:
+        if self._output_device.type == "cuda" and table.register_refused is None and table.dtype == torch.float32:
             table.device_address(weight, resolve_device(self._output_device))
 
     def _adopt(self, weight) -> None:

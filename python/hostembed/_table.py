@@ -231,6 +231,7 @@ class HostTable:
         caller points the weight at it. Optimizer state made before stays
         in the old compute dtype (an optimizer step then says so)."""
         self.wait_for_gpu_use()
+        self.prefetch = None  # its rows are in the old dtype
         old_buffer, old_tensor = self.buffer, self.tensor
         buf, tensor = self._new_buffer(first_touch=True, dtype=dtype)
         copy(tensor, old_tensor)
@@ -243,7 +244,6 @@ class HostTable:
         if dtype in (torch.float16, torch.bfloat16) and not self.seed:
             self.seed = int(torch.randint(0, 2**62, (1,)).item())
         self.register_refused = None
-        self.rows_changed(None)
         return tensor
 
     def bind(self, param):
