@@ -76,16 +76,19 @@ def parse_args(argv=None):
 
 # --- contenders: (module, optimizer) makers, each built after the same seed
 
+# Tables of another dtype are the float32 table of the same seed, cast: the
+# same starting rows, rounded.
+
 def host(opt_cls, dtype=torch.float32, **hyper):
     def make(args):
-        emb = hostembed.Embedding(args.rows, args.dim, dtype=dtype)
+        emb = hostembed.Embedding(args.rows, args.dim).to(dtype)
         return emb, opt_cls(emb.parameters(), **hyper)
     return make
 
 
 def torch_sparse(opt_cls, dtype=torch.float32, **hyper):
     def make(args):
-        emb = torch.nn.Embedding(args.rows, args.dim, sparse=True, dtype=dtype)
+        emb = torch.nn.Embedding(args.rows, args.dim, sparse=True).to(dtype)
         return emb, opt_cls(emb.parameters(), **hyper)
     return make
 
@@ -137,8 +140,10 @@ def groups():
                             "torch SparseAdam, bfloat16 table": torch_sparse(torch.optim.SparseAdam, torch.bfloat16,
                                                                              lr=1e-3)},
                            BF16, "torch SparseAdam, bfloat16 table", False,
-                           # checked against float32 Adam within a few bfloat16 roundings
-                           {"check_against": YARDSTICK, "rtol": 4 * 2.0 ** -8}),
+                           # checked against float32 Adam: within an ulp of bfloat16
+                           # (2^-7 relative at most) plus the warm-up's updates, which
+                           # bfloat16 may round away (Adam moves a weight <= lr a step)
+                           {"check_against": YARDSTICK, "rtol": 2.0 ** -7, "atol": 2 * 3 * 1e-3}),
     }
     if fbgemm_available():
         rowwise = specs["RowWiseAdagrad"][0]
@@ -231,7 +236,7 @@ def step(module, opt, ids, grad_out):
 def run_group(args, name, spec, batches):
     makes, checked, twin, bags = spec[:4]
     check = spec[4] if len(spec) > 4 else {}
-    rtol, against = check.get("rtol", 1e-4), check.get("check_against", twin)
+    rtol, atol, against = check.get("rtol", 1e-4), check.get("atol", 1e-5), check.get("check_against", twin)
     shape = (args.batch // args.bag, args.bag) if bags else (args.batch,)
     inputs = [ids.view(shape) for ids in batches]
     grad_out = torch.randn(shape[0], args.dim, generator=torch.Generator().manual_seed(args.seed + 1))
@@ -245,7 +250,7 @@ def run_group(args, name, spec, batches):
             step(module, opt, ids, grad_out)
     if checked is not None:
         ours, theirs = built[checked][0].weight.detach().float(), built[against][0].weight.detach().float()
-        if not torch.allclose(ours, theirs, rtol=rtol, atol=1e-5):
+        if not torch.allclose(ours, theirs, rtol=rtol, atol=atol):
             fail(f"{name}: after {len(warm)} steps hostembed's weights differ from {against}'s by "
                  f"{(ours - theirs).abs().max().item():.3g}; not timing a wrong result")
     other_load = OtherLoad()

@@ -226,6 +226,14 @@ def test_optimizer_state_converts_with_a_cast_at_the_next_step():
     assert all(v.dtype == torch.float32 for k, v in opt.state[ours.weight].items() if k != "step")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_initial_rows_are_torchs_for_the_same_seed(dtype):
+    torch.manual_seed(5)
+    ref = nn.Embedding(ROWS, DIM, dtype=dtype)
+    torch.manual_seed(5)
+    assert torch.equal(hostembed.Embedding(ROWS, DIM, dtype=dtype).weight, ref.weight)
+
+
 def test_torch_default_dtype_applies_to_new_tables():
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)

@@ -114,6 +114,8 @@ class HostTableModule:
     def stochastic_rounding(self, value: bool) -> None:
         if not isinstance(value, bool):
             raise TypeError(f"stochastic_rounding must be a bool, got {type(value).__name__}")
+        if value and not self._table.seed:
+            self._table.seed = int(torch.randint(1, 2**62, (1,)).item())
         self._table.stochastic_rounding = value
 
     def _retype(self, dtype) -> None:

@@ -136,10 +136,12 @@ class HostTable:
         self.num_rows, self.dim = num_rows, dim
         self.dtype = dtype
         # Half tables: whether optimizer updates round the new weights
-        # stochastically, and the seed they draw from (from torch's RNG, so
-        # torch.manual_seed makes runs repeat).
+        # stochastically, and the seed they draw from (taken from torch's
+        # generator when stochastic rounding is first switched on, so that
+        # torch.manual_seed makes runs repeat and a table that never uses
+        # it draws nothing: its initial rows are torch's for the seed).
         self.stochastic_rounding = False
-        self.seed = int(torch.randint(0, 2**62, (1,)).item()) if dtype in (torch.float16, torch.bfloat16) else 0
+        self.seed = 0
         # Every buffer of this table with bytes in it (its rows and its
         # optimizer state), by host address: the ops hand the core the
         # buffer object a tensor views, never the tensor's address, so the
@@ -241,8 +243,6 @@ class HostTable:
         self.buffer, self.tensor, self.dtype = buf, tensor, dtype
         if tensor.numel():
             _by_address[tensor.data_ptr()] = self
-        if dtype in (torch.float16, torch.bfloat16) and not self.seed:
-            self.seed = int(torch.randint(0, 2**62, (1,)).item())
         self.register_refused = None
         return tensor
 
