@@ -12,7 +12,12 @@ static inline uint32_t f32_bits(float f)
     return u;
 }
 
-static inline float f32_of_bits(uint32_t u);
+static inline float f32_of_bits(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 static inline float bf16_to_f32(uint16_t h)
 {
@@ -26,13 +31,6 @@ static inline uint16_t f32_to_bf16(float f)
         return 0x7FC0;
     uint32_t u = f32_bits(f);
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float f32_of_bits(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
 }
 
 /* float16 <-> float32 in integer arithmetic (no compiler _Float16 or F16C
@@ -108,11 +106,10 @@ static inline uint16_t f32_to_f16_sr(float x, uint64_t r)
     float nf = f16_to_f32(near);
     if (nf == x || !isfinite(x) || isinf(nf))
         return near;
-    /* One ulp away from zero or towards it, in sign-magnitude. */
+    /* One ulp away from zero or towards it, in sign-magnitude (towards
+     * zero only from a nonzero near: x != near = 0 means |x| > |near|). */
     int away = fabsf(x) > fabsf(nf);
     uint16_t mag = near & 0x7FFFu, sign = near & 0x8000u;
-    if (!away && mag == 0)
-        return near; /* cannot happen (|x| > 0 = |near| means away), kept for safety */
     uint16_t far = (uint16_t)(sign | (away ? mag + 1u : mag - 1u));
     float ff = f16_to_f32(far);
     if (isinf(ff))

@@ -12,7 +12,7 @@ from . import _validate
 from ._cuda import require_cuda, resolve_device, unavailable_reason
 from ._files import FileRows, open_table
 from ._stream import copy_rows, read_rows
-from ._table import HostTable, check_table_dtype
+from ._table import HostTable, check_table_dtype, dtype_name
 
 # _weight value that leaves a new table zeroed instead of drawing N(0, 1):
 # for tables about to be filled from a file or another module.
@@ -141,7 +141,7 @@ class HostTableModule:
         weight = self._parameters["weight"]
         if not table.views(weight):
             self._adopt(weight)
-        if self._output_device.type == "cuda" and table.register_refused is None and table.dtype == torch.float32:
+        if self._output_device.type == "cuda" and table.kernels_read_it:
             table.device_address(weight, resolve_device(self._output_device))
 
     def _adopt(self, weight) -> None:
@@ -303,6 +303,6 @@ class HostTableModule:
 
     def extra_repr(self) -> str:
         # torch's options, then where the table and the outputs are.
-        dtype = "" if self._table.dtype == torch.float32 else f"{str(self._table.dtype).split('.')[-1]} "
+        dtype = "" if self._table.dtype == torch.float32 else f"{dtype_name(self._table.dtype)} "
         return f"{super().extra_repr()}, {dtype}table in host memory, outputs on {self._output_device}"
 

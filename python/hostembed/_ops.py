@@ -32,7 +32,7 @@ from torch import Tensor
 
 from . import _C, _fused
 from ._ids import ID_DTYPES
-from ._table import DTYPE_CODES, host_table_of, table_by_handle
+from ._table import DTYPE_CODES, compute_dtype, dtype_name, host_table_of, table_by_handle
 
 CUDA_COMPILED = bool(getattr(_C, "CUDA_COMPILED", False))
 
@@ -88,12 +88,6 @@ def _cpu_ids(ids: Tensor) -> dict:
 def _float_rows(tensor: Tensor, count: int, dim: int, device, dtype=torch.float32) -> Tensor:
     """tensor's values as a contiguous [count, dim] matrix of dtype on device."""
     return tensor.to(device=device, dtype=dtype).contiguous().reshape(count, dim)
-
-
-def _grad_dtype(grad: Tensor):
-    """The dtype the core reduces an output gradient in: float64 for a
-    float64 gradient (a float64 table's), else float32."""
-    return torch.float64 if grad.dtype == torch.float64 else torch.float32
 
 
 def scratch(*shape: int, dtype=torch.float32) -> Tensor:
@@ -235,7 +229,7 @@ def _reduce_rows(ids, grad, num_rows, padding_idx, scale_grad_by_freq, dedup=Non
     with pooling (a bag's _fused.Pooling), grad has a row per bag."""
     dim = grad.shape[-1]
     ids = ids.reshape(-1).contiguous()
-    dtype = _grad_dtype(grad)
+    dtype = compute_dtype(grad.dtype)  # a float64 table's gradient is float64
     rows, bags, _weights = _gradient_rows(grad, ids, dim, pooling, dtype)
     if dedup is None:
         dedup = _C.Dedup(**_cpu_ids(ids), num_rows=num_rows)
@@ -274,7 +268,7 @@ def _gradient_rows(grad, ids, dim, pooling, dtype):
 def _(ids, grad, num_rows, padding_idx, scale_grad_by_freq):
     unique = torch.library.get_ctx().new_dynamic_size()
     return (torch.empty(unique, dtype=torch.int64, device="cpu"),
-            torch.empty(unique, grad.shape[-1], dtype=_grad_dtype(grad), device="cpu"))
+            torch.empty(unique, grad.shape[-1], dtype=compute_dtype(grad.dtype), device="cpu"))
 
 
 def _lookup_setup(ctx, inputs, output):
@@ -465,8 +459,8 @@ def _check_state(table, *state):
                 and tuple(tensor.shape) == (table.num_rows, table.dim)):
             raise RuntimeError(
                 f"hostembed: optimizer state for a [{table.num_rows}, {table.dim}] table must be a contiguous "
-                f"{str(table.state_dtype).split('.')[-1]} CPU tensor of that shape, got a {list(tensor.shape)} {tensor.dtype} tensor on "
-                f"{tensor.device}"
+                f"{dtype_name(table.state_dtype)} CPU tensor of that shape, got a {list(tensor.shape)} {tensor.dtype} "
+                f"tensor on {tensor.device}"
             )
 
 
@@ -491,7 +485,7 @@ def _pinned_rows(table, tensor, device, what):
     only: other tables take the CPU path (the modules send them there)."""
     if table.dtype != torch.float32:
         raise RuntimeError(f"hostembed: {what}: the GPU kernels take float32 tables, this one is "
-                           f"{str(table.dtype).split('.')[-1]}")
+                           f"{dtype_name(table.dtype)}")
     buf = table.pinned_buffer(tensor, device, what)
     if buf is None:
         raise RuntimeError(f"hostembed: {what}: the host buffer is not pinned for the GPU (CUDA refused it)")

@@ -31,6 +31,11 @@ def compute_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def dtype_name(dtype):
+    """'bfloat16' for torch.bfloat16: a dtype as messages name it."""
+    return str(dtype).split(".")[-1]
+
+
 def check_table_dtype(dtype, who):
     """A TypeError naming the dtypes a table may have, for any other."""
     if dtype not in DTYPE_CODES:
@@ -119,7 +124,7 @@ def allocate(num_rows, dim, *, dtype=torch.float32, first_touch=False):
     """A zeroed HostBuffer for a [num_rows, dim] table of dtype, or a
     MemoryError naming the size."""
     nbytes = num_rows * dim * dtype.itemsize
-    what = f"a [{num_rows}, {dim}] {str(dtype).split('.')[-1]} table ({nbytes} bytes)"
+    what = f"a [{num_rows}, {dim}] {dtype_name(dtype)} table ({nbytes} bytes)"
     if nbytes > (1 << 63) - 1:
         raise MemoryError(f"hostembed: cannot allocate {what}: larger than any address space")
     try:
@@ -282,8 +287,9 @@ class HostTable:
         tensors have no memory: the rows' (empty) buffer stands for them."""
         if not self.owns(tensor):
             raise RuntimeError(
-                f"hostembed: {what} of a [{self.num_rows}, {self.dim}] {str(self.dtype).split('.')[-1]} host "
-                f"table must be a {str(self.state_dtype).split('.')[-1]} CPU tensor of that shape (or [{self.num_rows}] for per-row state) in the table's own host memory, got a {list(tensor.shape)} {tensor.dtype} tensor "
+                f"hostembed: {what} of a [{self.num_rows}, {self.dim}] {dtype_name(self.dtype)} host table must "
+                f"be a {dtype_name(self.state_dtype)} CPU tensor of that shape (or [{self.num_rows}] for per-row "
+                f"state) in the table's own host memory, got a {list(tensor.shape)} {tensor.dtype} tensor "
                 f"on {tensor.device}{'' if tensor.is_contiguous() else ', not contiguous'} that is not one"
             )
         if tensor.numel() == 0:
@@ -348,6 +354,13 @@ class HostTable:
         if tensor.numel() and not self._register(buf, device):
             return None
         return buf
+
+    @property
+    def kernels_read_it(self):
+        """Whether lookups with GPU outputs can use the kernels: they read
+        pinned float32 tables; otherwise the CPU core looks rows up and a
+        copy takes them to the GPU."""
+        return self.register_refused is None and self.dtype == torch.float32
 
     @property
     def registered(self):

@@ -57,8 +57,7 @@ class Embedding(HostTableModule, nn.Embedding):
             # Eager bookkeeping; the ops check the same facts at run time,
             # compiled or not.
             self._prepare_weight()
-        gpu = self._output_device.type == "cuda" and self._table.register_refused is None \
-            and self._table.dtype == torch.float32
+        gpu = self._output_device.type == "cuda" and self._table.kernels_read_it
         out = (_lookup_gpu if gpu else _lookup_cpu).lookup(self, input)
         if not compiling:
             self._last_lookup_path = "gpu" if gpu else "cpu"

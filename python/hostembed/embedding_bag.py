@@ -57,8 +57,7 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
         compiling = torch.compiler.is_compiling()
         if not compiling:
             self._prepare_weight()
-        gpu = self._output_device.type == "cuda" and self._table.register_refused is None \
-            and self._table.dtype == torch.float32
+        gpu = self._output_device.type == "cuda" and self._table.kernels_read_it
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
         if not gpu and not compiling and self.mode != "max":
             out = _bag_cpu.PooledLookup.apply(
