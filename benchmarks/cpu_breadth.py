@@ -11,14 +11,15 @@ order rotated each round, and freed before the next group:
   * the bag group: hostembed.EmbeddingBag against torch.nn.EmbeddingBag
     (sparse=True), both with SparseAdam, on the same ids in bags;
   * every hostembed optimizer also with fused=True (its update in backward);
-  * the bfloat16 group: hostembed.SparseAdam on a bfloat16 table (float32
-    state and arithmetic) against torch's SparseAdam on a bfloat16
-    nn.Embedding (bfloat16 state), checked against the float32 yardstick
-    within bfloat16 rounding;
+  * the bfloat16 and float16 groups: hostembed.SparseAdam on a table of
+    that dtype (float32 state and arithmetic) against torch's SparseAdam on
+    an nn.Embedding of that dtype (state of that dtype), checked against the
+    float32 yardstick within the dtype's rounding;
   * where fbgemm-gpu-cpu is installed, FBGEMM's table-batched embedding with
     EXACT_ROWWISE_ADAGRAD (its CPU has no Adam), plain and in bags, against
     hostembed's RowWiseAdagrad, the same formula.
-A step is forward -> backward(fixed gradient) -> step() -> zero_grad().
+A step is forward -> backward(a fixed gradient, in the output's dtype) -> step()
+-> zero_grad().
 State bytes are the optimizer state's tensors as allocated. The host copy
 bandwidth is measured in the same run, and each hostembed contender's
 traffic (a model: the gather reads and writes each looked-up row, the
@@ -42,7 +43,7 @@ from _common import (RESULTS_DIR, OtherLoad, copy_bandwidth, fail, fmt_ms, log, 
 hostembed = require_hostembed()
 
 YARDSTICK = "hostembed SparseAdam"
-BF16 = "hostembed SparseAdam, bfloat16 table"
+HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 FBGEMM_ROWWISE = "FBGEMM TBE, EXACT_ROWWISE_ADAGRAD"
 FBGEMM_ROWWISE_BAG = "FBGEMM TBE (SUM), EXACT_ROWWISE_ADAGRAD"
 # Bytes each updated element moves: weight read + written, gradient read,
@@ -93,6 +94,24 @@ def torch_sparse(opt_cls, dtype=torch.float32, **hyper):
     return make
 
 
+def half_group(dtype, yardstick):
+    """hostembed SparseAdam on a table of a half dtype (plain and fused)
+    against torch SparseAdam on an nn.Embedding of that dtype, with the
+    float32 yardstick in the same rounds; checked against the yardstick:
+    within an ulp of the dtype (2^-7 relative for bfloat16, 2^-10 for
+    float16) plus the warm-up's updates, which the dtype may round away
+    (Adam moves a weight <= lr a step)."""
+    name = str(dtype).removeprefix("torch.")
+    ours = f"hostembed SparseAdam, {name} table"
+    makes = {YARDSTICK: yardstick,
+             ours: host(hostembed.SparseAdam, dtype, lr=1e-3),
+             ours + "(fused=True)": host(hostembed.SparseAdam, dtype, lr=1e-3, fused=True),
+             f"torch SparseAdam, {name} table": torch_sparse(torch.optim.SparseAdam, dtype, lr=1e-3)}
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    return (makes, ours, f"torch SparseAdam, {name} table", False,
+            {"check_against": YARDSTICK, "rtol": ulp, "atol": 2 * 3 * 1e-3})
+
+
 def bag(cls, fused=False):
     def make(args):
         module = cls(args.rows, args.dim, mode="sum", sparse=True)
@@ -134,16 +153,7 @@ def groups():
                                "hostembed EmbeddingBag + SparseAdam(fused=True)": bag(hostembed.EmbeddingBag, True),
                                "torch EmbeddingBag + SparseAdam": bag(torch.nn.EmbeddingBag)},
                               "hostembed EmbeddingBag + SparseAdam", "torch EmbeddingBag + SparseAdam", True),
-        "bfloat16 table": ({YARDSTICK: adam,
-                            BF16: host(hostembed.SparseAdam, torch.bfloat16, lr=1e-3),
-                            BF16 + "(fused=True)": host(hostembed.SparseAdam, torch.bfloat16, lr=1e-3, fused=True),
-                            "torch SparseAdam, bfloat16 table": torch_sparse(torch.optim.SparseAdam, torch.bfloat16,
-                                                                             lr=1e-3)},
-                           BF16, "torch SparseAdam, bfloat16 table", False,
-                           # checked against float32 Adam: within an ulp of bfloat16
-                           # (2^-7 relative at most) plus the warm-up's updates, which
-                           # bfloat16 may round away (Adam moves a weight <= lr a step)
-                           {"check_against": YARDSTICK, "rtol": 2.0 ** -7, "atol": 2 * 3 * 1e-3}),
+        **{f"{name} table": half_group(dtype, adam) for name, dtype in HALF_DTYPES.items()},
     }
     if fbgemm_available():
         rowwise = specs["RowWiseAdagrad"][0]
@@ -226,8 +236,12 @@ def state_bytes(opt):
 
 
 def step(module, opt, ids, grad_out):
+    """grad_out: the fixed output gradient by dtype, so that each contender
+    gets it in its output's dtype, as the layer above would hand it on
+    (autograd would otherwise convert it inside the timed step)."""
     t0 = time.perf_counter()
-    module(ids).backward(grad_out)
+    out = module(ids)
+    out.backward(grad_out[out.dtype])
     opt.step()
     opt.zero_grad()
     return time.perf_counter() - t0
@@ -240,6 +254,7 @@ def run_group(args, name, spec, batches):
     shape = (args.batch // args.bag, args.bag) if bags else (args.batch,)
     inputs = [ids.view(shape) for ids in batches]
     grad_out = torch.randn(shape[0], args.dim, generator=torch.Generator().manual_seed(args.seed + 1))
+    grad_out = {dtype: grad_out.to(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
     built = {}
     for contender, make in makes.items():
         torch.manual_seed(args.seed)
@@ -276,9 +291,9 @@ def traffic_bytes(args, contender, unique):
     distinct row once), the update moves UPDATE_BYTES per updated element."""
     kind = next(k for k in ("RowWiseAdagrad", "Adagrad", "SGD", "SparseAdam") if k in contender)
     looked_up = unique if "EmbeddingBag" in contender else args.batch
-    # A bfloat16 table moves half the bytes per weight: 2 read + 2 written
-    # per gathered element, 4 fewer per updated one.
-    half = "bfloat16" in contender
+    # A half table moves half the bytes per weight: 2 read + 2 written per
+    # gathered element, 4 fewer per updated one.
+    half = any(f"{name} table" in contender for name in HALF_DTYPES)
     gather = 4 if half else 8
     return gather * looked_up * args.dim + (UPDATE_BYTES[kind] - (4 if half else 0)) * unique * args.dim
 

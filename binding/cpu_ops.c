@@ -134,7 +134,7 @@ static PyObject *heb_grad_reduce(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
     static char *kwlist[] = {"dedup", "grad", "dim", "padding_idx", "scale_grad_by_freq", "values", "indices",
-                             "bag_of", "row_weights", "num_bags", "dtype", NULL};
+                             "bag_of", "row_weights", "num_bags", "dtype", "round_sums", NULL};
     heb_dedup *dedup;
     HEB_ADDRESS(grad);
     HEB_ADDRESS(values);
@@ -142,14 +142,14 @@ static PyObject *heb_grad_reduce(PyObject *mod, PyObject *args, PyObject *kwds)
     HEB_ADDRESS(bag_of);
     HEB_ADDRESS(row_weights);
     long long dim, padding_idx, num_bags;
-    int scale, dtype;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LLpO&O&O&O&Li:grad_reduce", kwlist, &heb_dedup_type, &dedup,
-                                     heb_address_converter, &grad, &dim, &padding_idx, &scale,
+    int scale, dtype, round_sums;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LLpO&O&O&O&Lip:grad_reduce", kwlist, &heb_dedup_type,
+                                     &dedup, heb_address_converter, &grad, &dim, &padding_idx, &scale,
                                      heb_address_converter, &values, heb_address_converter, &indices,
                                      heb_address_converter, &bag_of, heb_address_converter, &row_weights, &num_bags,
-                                     &dtype))
+                                     &dtype, &round_sums))
         return NULL;
-    he_reduce_opts opts = {padding_idx, scale, bag_of.ptr, row_weights.ptr, num_bags, dtype};
+    he_reduce_opts opts = {padding_idx, scale, bag_of.ptr, row_weights.ptr, num_bags, dtype, round_sums};
     int64_t written = 0;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
@@ -222,7 +222,7 @@ static PyObject *heb_sparse_update(PyObject *mod, PyObject *args, PyObject *kwds
     (void)mod;
     static char *kwlist[] = {"kind", "weight", "state", "num_rows", "dim", "indices", "values", "nnz", "lr",
                              "beta1", "beta2", "eps", "lr_decay", "step", "maximize", "weight_decay", "dtype",
-                             "stochastic_rounding", "seed", NULL};
+                             "values_dtype", "stochastic_rounding", "seed", NULL};
     HEB_BUFFER(weight);
     PyObject *state;
     HEB_ADDRESS(indices);
@@ -230,12 +230,12 @@ static PyObject *heb_sparse_update(PyObject *mod, PyObject *args, PyObject *kwds
     long long num_rows, dim, nnz, step;
     unsigned long long seed;
     he_optim_params hp = {0};
-    int maximize, dtype, stochastic;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$iO&O!LLO&O&LdddddLpdipK:sparse_update", kwlist, &hp.kind,
+    int maximize, dtype, values_dtype, stochastic;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$iO&O!LLO&O&LdddddLpdiipK:sparse_update", kwlist, &hp.kind,
                                      heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows, &dim,
                                      heb_address_converter, &indices, heb_address_converter, &values, &nnz, &hp.lr,
                                      &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize,
-                                     &hp.weight_decay, &dtype, &stochastic, &seed))
+                                     &hp.weight_decay, &dtype, &values_dtype, &stochastic, &seed))
         return NULL;
     hp.step = step;
     hp.maximize = maximize;
@@ -247,7 +247,7 @@ static PyObject *heb_sparse_update(PyObject *mod, PyObject *args, PyObject *kwds
         return NULL;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_sparse_update(&hp, &w, s, num_state, (const int64_t *)indices.ptr, values.ptr, nnz);
+    st = he_sparse_update(&hp, &w, s, num_state, (const int64_t *)indices.ptr, values.ptr, values_dtype, nnz);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -261,8 +261,8 @@ static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject
     (void)mod;
     static char *kwlist[] = {"dedup", "grad", "padding_idx", "scale_grad_by_freq", "kind", "weight", "state",
                              "num_rows", "dim", "lr", "beta1", "beta2", "eps", "lr_decay", "step", "maximize",
-                             "weight_decay", "bag_of", "row_weights", "num_bags", "dtype", "stochastic_rounding",
-                             "seed", NULL};
+                             "weight_decay", "bag_of", "row_weights", "num_bags", "dtype", "grad_dtype",
+                             "stochastic_rounding", "seed", NULL};
     heb_dedup *dedup;
     HEB_ADDRESS(grad);
     HEB_BUFFER(weight);
@@ -271,14 +271,14 @@ static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject
     PyObject *state;
     long long padding_idx, num_rows, dim, step, num_bags;
     unsigned long long seed;
-    int scale, maximize, dtype, stochastic;
+    int scale, maximize, dtype, grad_dtype, stochastic;
     he_optim_params hp = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LpiO&O!LLdddddLpdO&O&LipK:sparse_update_fused", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LpiO&O!LLdddddLpdO&O&LiipK:sparse_update_fused", kwlist,
                                      &heb_dedup_type, &dedup, heb_address_converter, &grad, &padding_idx, &scale,
                                      &hp.kind, heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows,
                                      &dim, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize,
                                      &hp.weight_decay, heb_address_converter, &bag_of, heb_address_converter,
-                                     &row_weights, &num_bags, &dtype, &stochastic, &seed))
+                                     &row_weights, &num_bags, &dtype, &grad_dtype, &stochastic, &seed))
         return NULL;
     hp.step = step;
     hp.maximize = maximize;
@@ -288,8 +288,7 @@ static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject
     int num_state;
     if (heb_optim_tables(&weight, state, num_rows, dim, dtype, &hp, &w, s, &num_state) < 0)
         return NULL;
-    /* The gradient is in the table's compute type. */
-    he_reduce_opts opts = {padding_idx, scale, bag_of.ptr, row_weights.ptr, num_bags, he_compute_dtype(dtype)};
+    he_reduce_opts opts = {padding_idx, scale, bag_of.ptr, row_weights.ptr, num_bags, grad_dtype};
     he_status st;
     Py_BEGIN_ALLOW_THREADS
     st = he_sparse_update_fused(dedup->d, grad.ptr, &opts, &hp, &w, s, num_state);
@@ -306,26 +305,27 @@ static PyMethodDef heb_cpu_methods[] = {
      "fit it); IndexError (out may be written, the table never) for an id outside [0, num_rows)"},
     {"grad_reduce", HEB_KW_FUNC(heb_grad_reduce), METH_VARARGS | METH_KEYWORDS,
      "grad_reduce($module, /, *, dedup, grad, dim, padding_idx, scale_grad_by_freq, values, indices, bag_of, "
-     "row_weights, num_bags, dtype)\n--\n\n"
+     "row_weights, num_bags, dtype, round_sums)\n--\n\n"
      "Sums the grad rows of each unique id of dedup into values/indices (ascending ids, padding_idx "
      "left out) -> rows written. bag_of (0: none): position p's row is grad[bag_of[p]] ([num_bags, dim] "
-     "grad), times row_weights[p] (0: none); grad, row_weights and values of he_dtype `dtype` (float32 or "
-     "float64)"},
+     "grad), times row_weights[p] (0: none); grad of he_dtype `dtype`, row_weights and values of its compute "
+     "type (float64 for float64, else float32), or with round_sums, values rounded to a half `dtype`"},
     {"renorm", HEB_KW_FUNC(heb_renorm), METH_VARARGS | METH_KEYWORDS,
      "renorm($module, /, *, table, num_rows, dim, dtype, dedup, max_norm, norm_type)\n--\n\n"
      "max_norm in place on the unique rows of dedup (a Dedup built for num_rows) of the table's HostBuffer"},
     {"sparse_update_fused", HEB_KW_FUNC(heb_sparse_update_fused), METH_VARARGS | METH_KEYWORDS,
      "sparse_update_fused($module, /, *, dedup, grad, padding_idx, scale_grad_by_freq, kind, weight, state, "
      "num_rows, dim, lr, beta1, beta2, eps, lr_decay, step, maximize, weight_decay, bag_of, row_weights, "
-     "num_bags, dtype, stochastic_rounding, seed)\n--\n\n"
-     "grad_reduce of grad ([dedup.count, dim] rows) fed straight into the optimizer's row update: the same "
-     "bits as the two calls, without writing the sums out"},
+     "num_bags, dtype, grad_dtype, stochastic_rounding, seed)\n--\n\n"
+     "grad_reduce of grad ([dedup.count, dim] rows of he_dtype `grad_dtype`: the table's dtype or its compute "
+     "type) fed straight into the optimizer's row update: the same bits as the two calls, without writing the "
+     "sums out"},
     {"sparse_update", HEB_KW_FUNC(heb_sparse_update), METH_VARARGS | METH_KEYWORDS,
      "sparse_update($module, /, *, kind, weight, state, num_rows, dim, indices, values, nnz, lr, beta1, beta2, "
-     "eps, lr_decay, step, maximize, weight_decay, dtype, stochastic_rounding, seed)\n--\n\n"
+     "eps, lr_decay, step, maximize, weight_decay, dtype, values_dtype, stochastic_rounding, seed)\n--\n\n"
      "The update of optimizer `kind` (0 SparseAdam, 1 SGD, 2 Adagrad, 3 row-wise Adagrad) of rows "
-     "indices[:nnz] with grad rows values[:nnz] (in the compute type of the table's he_dtype `dtype`: float64 "
-     "for float64, else float32), in place; weight: the HostBuffer of [num_rows, dim] rows, "
+     "indices[:nnz] with grad rows values[:nnz] (of he_dtype `values_dtype`: the table's he_dtype `dtype` or "
+     "its compute type, float64 for float64, else float32), in place; weight: the HostBuffer of [num_rows, dim] rows, "
      "state: a tuple of the optimizer's state HostBuffers ([num_rows, dim] or [num_rows, 1] each; ValueError "
      "if they do not fit)"},
     {NULL, NULL, 0, NULL},

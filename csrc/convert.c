@@ -35,39 +35,42 @@ static inline uint16_t f32_to_bf16(float f)
 
 /* float16 <-> float32 in integer arithmetic (no compiler _Float16 or F16C
  * needed: one code path on every compiler the core builds with). Widening
- * is exact; subnormal halves are m * 2^-24. */
+ * is exact; subnormal halves are m * 2^-24. The three cases are merged
+ * with masks, not branches: a row's loop then vectorises. */
 static inline float f16_to_f32(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-    if (exp == 0x1F)
-        return f32_of_bits(sign | 0x7F800000u | (man << 13));
-    if (exp != 0)
-        return f32_of_bits(sign | ((exp + 112u) << 23) | (man << 13));
-    float f = (float)man * 0x1p-24f;
-    return sign ? -f : f;
+    uint32_t normal = ((exp + 112u) << 23) | (man << 13);
+    uint32_t special = 0x7F800000u | (man << 13); /* inf, NaN */
+    uint32_t subnormal = f32_bits((float)(int32_t)man * 0x1p-24f); /* (signed: one instruction before AVX-512) */
+    uint32_t is_special = 0u - (uint32_t)(exp == 0x1Fu), is_subnormal = 0u - (uint32_t)(exp == 0);
+    uint32_t bits = (special & is_special) | (subnormal & is_subnormal) | (normal & ~(is_special | is_subnormal));
+    return f32_of_bits(sign | bits);
 }
 
 /* Nearest even, as torch's float -> half: NaN stays a (quiet) NaN, values
- * from 65520 up become inf. */
+ * from 65520 up become inf. Each case is computed and the right one picked
+ * with masks, as in f16_to_f32. */
 static inline uint16_t f32_to_f16(float f)
 {
     uint32_t u = f32_bits(f);
-    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t sign = (u >> 16) & 0x8000u;
     uint32_t a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u)
-        return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
-    if (a >= 0x477FF000u) /* 65520 and up, inf included */
-        return (uint16_t)(sign | 0x7C00u);
-    if (a >= 0x38800000u) { /* a normal half (>= 2^-14): rebias the exponent, round the 13 dropped bits */
-        uint32_t r = a - 0x38000000u + 0x0FFFu + ((a >> 13) & 1u);
-        return (uint16_t)(sign | (r >> 13));
-    }
+    uint32_t nan = 0x7E00u | ((a >> 13) & 0x3FFu);
+    uint32_t inf = 0x7C00u; /* 65520 and up, inf included */
+    /* A normal half (>= 2^-14): rebias the exponent, round the 13 dropped bits. */
+    uint32_t normal = (a - 0x38000000u + 0x0FFFu + ((a >> 13) & 1u)) >> 13;
     /* A subnormal half or zero: m = |f| * 2^24 rounded to an integer (exact
      * scaling; adding 2^23 rounds to nearest even in float). m = 1024 is the
      * smallest normal's bit pattern, which is right. */
-    float m = fabsf(f) * 0x1p24f;
-    m = (m + 0x1p23f) - 0x1p23f;
-    return (uint16_t)(sign | (uint16_t)m);
+    uint32_t is_nan = 0u - (uint32_t)(a > 0x7F800000u);
+    uint32_t is_inf = ~is_nan & (0u - (uint32_t)(a >= 0x477FF000u));
+    uint32_t is_normal = ~is_nan & ~is_inf & (0u - (uint32_t)(a >= 0x38800000u));
+    uint32_t is_subnormal = ~(is_nan | is_inf | is_normal);
+    /* (|f| masked to 0 unless small: a large one would overflow the cast.) */
+    float m = f32_of_bits(a & is_subnormal) * 0x1p24f;
+    uint32_t subnormal = (uint32_t)(int32_t)((m + 0x1p23f) - 0x1p23f);
+    return (uint16_t)(sign | (nan & is_nan) | (inf & is_inf) | (normal & is_normal) | (subnormal & is_subnormal));
 }
 
 /* splitmix64's finaliser: a counter-based draw, no state between calls. */

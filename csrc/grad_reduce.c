@@ -2,6 +2,7 @@
 
 #include <inttypes.h>
 
+#include "convert.h"
 #include "simd.h"
 #include "thread_pool.h"
 
@@ -11,7 +12,9 @@ typedef struct reduce_job {
     int64_t dim;
     int64_t skip_at; /* unique index of padding_idx, or -1 */
     int scale;
-    int f64; /* grad, row_weights and the sums are double (else float) */
+    int grad_dtype; /* of the grad rows */
+    int f64;        /* row_weights and the sums are double (else float) */
+    int round_half; /* out_values in grad_dtype, a half one (opts->round_sums) */
     const int64_t *bag_of;
     const void *row_weights;
     void *out_values;  /* NULL when the sums go to update instead */
@@ -22,9 +25,11 @@ typedef struct reduce_job {
 /* sum_rows_f32 and sum_rows_f64: the compute types of gradients. */
 #define REAL float
 #define SUM_ROWS sum_rows_f32
+#define WIDEN_HALF
 #include "grad_reduce_sum.inc"
 #undef REAL
 #undef SUM_ROWS
+#undef WIDEN_HALF
 #define REAL double
 #define SUM_ROWS sum_rows_f64
 #include "grad_reduce_sum.inc"
@@ -43,7 +48,10 @@ static void reduce_range(void *ctx, int64_t begin, int64_t end)
     const he_row_update *update = job->update;
     int64_t dim = job->dim;
     int64_t prefetch_end = d->offsets[end];
-    size_t elem = job->f64 ? sizeof(double) : sizeof(float);
+    size_t elem = job->round_half ? 2 : job->f64 ? sizeof(double) : sizeof(float);
+    /* A half gradient is widened (and its sums rounded) a block of columns
+     * at a time. */
+    int64_t out_block = job->grad_dtype == HE_F16 || job->grad_dtype == HE_BF16 ? HE_REDUCE_BLOCK : dim;
     _Alignas(64) double block[HE_REDUCE_BLOCK];
     for (int64_t k = begin; k < end; k++) {
         if (k == job->skip_at)
@@ -54,11 +62,18 @@ static void reduce_range(void *ctx, int64_t begin, int64_t end)
         if (!update) {
             int64_t slot = job->skip_at >= 0 && k > job->skip_at ? k - 1 : k;
             job->out_indices[slot] = d->unique[k];
-            void *out = (char *)job->out_values + (size_t)(slot * dim) * elem;
-            if (job->f64)
-                sum_rows_f64(out, job, first, last, prefetch_end, 0, dim, scale);
-            else
-                sum_rows_f32(out, job, first, last, prefetch_end, 0, dim, (float)scale);
+            char *out = (char *)job->out_values + (size_t)(slot * dim) * elem;
+            for (int64_t col = 0; col < dim; col += out_block) {
+                int64_t n = dim - col < out_block ? dim - col : out_block;
+                if (job->f64) {
+                    sum_rows_f64((double *)out + col, job, first, last, prefetch_end, col, n, scale);
+                } else if (job->round_half) {
+                    sum_rows_f32((float *)block, job, first, last, prefetch_end, col, n, (float)scale);
+                    he_row_from_f32(job->grad_dtype, (float *)block, out + (size_t)col * elem, n, 0, 0, 0, 0);
+                } else {
+                    sum_rows_f32((float *)out + col, job, first, last, prefetch_end, col, n, (float)scale);
+                }
+            }
             continue;
         }
         /* The destination rows wait on DRAM as the update's do. */
@@ -95,9 +110,8 @@ static he_status reduce(const he_dedup *d, const void *grad, int64_t dim, const 
     he_status st = he_check_table_shape(0, dim);
     if (st != HE_OK)
         return st;
-    if (opts->dtype != HE_F32 && opts->dtype != HE_F64)
-        return he_fail(HE_ERR_VALUE, "a gradient is reduced in float32 or float64, got %s",
-                       he_dtype_name(opts->dtype));
+    if (!he_dtype_valid(opts->dtype))
+        return he_fail(HE_ERR_VALUE, "unknown gradient dtype code %d", opts->dtype);
     if (opts->bag_of) {
         for (int64_t p = 0; p < d->count; p++)
             if (opts->bag_of[p] < 0 || opts->bag_of[p] >= opts->num_bags)
@@ -105,8 +119,9 @@ static he_status reduce(const he_dedup *d, const void *grad, int64_t dim, const 
                                opts->bag_of[p], opts->num_bags);
     }
     int64_t skip_at = opts->padding_idx >= 0 ? find_unique(d, opts->padding_idx) : -1;
-    reduce_job job = {d, grad, dim, skip_at, opts->scale_grad_by_freq, opts->dtype == HE_F64, opts->bag_of,
-                      opts->row_weights, out_values, out_indices, update};
+    int round_half = opts->round_sums && (opts->dtype == HE_F16 || opts->dtype == HE_BF16);
+    reduce_job job = {d, grad, dim, skip_at, opts->scale_grad_by_freq, opts->dtype, opts->dtype == HE_F64,
+                      round_half, opts->bag_of, opts->row_weights, out_values, out_indices, update};
     st = he_parallel_for(d->num_unique, grain, reduce_range, &job);
     if (st == HE_OK && out_count)
         *out_count = d->num_unique - (skip_at >= 0);

@@ -15,16 +15,21 @@ typedef struct he_reduce_opts {
      * bag gradient is never expanded to one row per position in memory.
      * bag_of NULL: position p's row is grad[p]. row_weights NULL: 1. */
     const int64_t *bag_of;     /* [d->count], each in [0, num_bags) (checked) */
-    const void *row_weights;   /* [d->count], of dtype */
+    const void *row_weights;   /* [d->count], of dtype's compute type */
     int64_t num_bags;          /* rows of grad when bag_of is set */
-    /* HE_F32 (0) or HE_F64: the element type of grad, row_weights and the
-     * sums, the compute type of the table (he_dtype.h). */
+    /* The element type of grad (any he_dtype: a half table's gradient
+     * stays half until its rows are summed). row_weights and the sums are
+     * in its compute type (he_dtype.h); half rows widen exactly. */
     int dtype;
+    /* he_grad_reduce only: write each sum rounded (to nearest even) to a
+     * half grad's dtype, out_values then of that dtype, as torch's
+     * gradient of a half table is. */
+    int round_sums;
 } he_reduce_opts;
 
 /* grad: [d->count, dim] rows in the batch's order (or [num_bags, dim] with
  * opts->bag_of). Writes the coalesced sparse gradient: out_indices[k]
- * ascending and out_values[k, :] for every
+ * ascending and out_values[k, :] (compute type, or see round_sums) for every
  * unique id except padding_idx; *out_count says how many (num_unique, or one
  * less). Each sum runs over its positions in ascending order, whatever the
  * thread count. Used both for backward and to coalesce a user's sparse
@@ -41,7 +46,7 @@ he_status he_grad_reduce(const he_dedup *d, const void *grad, int64_t dim, const
  * col order, from one thread per row; prefetch() (may be NULL) is called a
  * few rows ahead with a row about to be applied. */
 typedef struct he_row_update {
-    void (*apply)(const void *ctx, int64_t row, int64_t col, const void *sum, int64_t n); /* sum: of opts->dtype */
+    void (*apply)(const void *ctx, int64_t row, int64_t col, const void *sum, int64_t n); /* sum: compute type */
     void (*prefetch)(const void *ctx, int64_t row);
     const void *ctx;
 } he_row_update;

@@ -15,7 +15,7 @@ he_status he_sparse_adam(const he_table *weight, const he_table *exp_avg, const 
 {
     he_optim_params p = adam_params(hp);
     he_table state[2] = {*exp_avg, *exp_avg_sq};
-    return he_sparse_update(&p, weight, state, 2, indices, values, nnz);
+    return he_sparse_update(&p, weight, state, 2, indices, values, HE_F32, nnz);
 }
 
 he_status he_sparse_adam_fused(const he_dedup *d, const float *grad, const he_reduce_opts *opts,

@@ -84,26 +84,45 @@ typedef struct rows_job {
     const update_ctx *u;
     const int64_t *indices;
     const void *values;
+    int values_dtype;
 } rows_job;
 
 static void rows_range(void *ctx, int64_t begin, int64_t end)
 {
     const rows_job *job = ctx;
-    size_t row_bytes = (size_t)job->u->w.dim * he_dtype_size(he_compute_dtype(job->u->w.dtype));
+    const update_ctx *u = job->u;
+    int64_t dim = u->w.dim;
+    size_t elem = he_dtype_size(job->values_dtype);
+    int widen = job->values_dtype != he_compute_dtype(u->w.dtype);
+    _Alignas(64) float wide[HE_REDUCE_BLOCK];
     for (int64_t k = begin; k < end; k++) {
         if (k + HE_PREFETCH_AHEAD < end)
-            prefetch_row(job->u, job->indices[k + HE_PREFETCH_AHEAD]);
-        update_row(job->u, job->indices[k], 0, (const char *)job->values + (size_t)k * row_bytes, job->u->w.dim);
+            prefetch_row(u, job->indices[k + HE_PREFETCH_AHEAD]);
+        const char *g = (const char *)job->values + (size_t)(k * dim) * elem;
+        if (!widen) {
+            update_row(u, job->indices[k], 0, g, dim);
+            continue;
+        }
+        /* A half table's gradient in its own dtype (weight.grad) widens
+         * exactly, a block of columns at a time, as the fused sums come
+         * (a rule with a prelude only sees dim <= HE_REDUCE_BLOCK here). */
+        for (int64_t col = 0; col < dim; col += HE_REDUCE_BLOCK) {
+            int64_t n = dim - col < HE_REDUCE_BLOCK ? dim - col : HE_REDUCE_BLOCK;
+            he_row_to_f32(job->values_dtype, g + (size_t)col * elem, wide, n);
+            update_row(u, job->indices[k], col, wide, n);
+        }
     }
 }
 
-/* Rows indices[0..nnz), distinct and in range. */
-static he_status update_rows(const update_ctx *u, const int64_t *indices, const void *values, int64_t nnz)
+/* Rows indices[0..nnz), distinct and in range, gradient rows values of
+ * values_dtype (the compute type, or a half table's own dtype). */
+static he_status update_rows(const update_ctx *u, const int64_t *indices, const void *values, int values_dtype,
+                             int64_t nnz)
 {
     int64_t dim = u->w.dim;
     if (dim == 0)
         return HE_OK; /* nothing to update (the indices were checked) */
-    rows_job job = {u, indices, values};
+    rows_job job = {u, indices, values, values_dtype};
     return he_parallel_for(nnz, 4096 / dim + 1, rows_range, &job);
 }
 
@@ -176,12 +195,26 @@ static he_status prepare(const he_optim_params *hp, const he_table *weight, cons
     return HE_OK;
 }
 
+/* A gradient comes in the table's compute type or, for a half table, in
+ * its own dtype (weight.grad and the output gradient are). */
+static he_status check_gradient_dtype(const he_table *weight, int dtype)
+{
+    int compute = he_compute_dtype(weight->dtype);
+    if (dtype == compute || dtype == weight->dtype)
+        return HE_OK;
+    if (weight->dtype == compute)
+        return he_fail(HE_ERR_VALUE, "the gradient of a %s table must be %s, got %s", he_dtype_name(weight->dtype),
+                       he_dtype_name(compute), he_dtype_name(dtype));
+    return he_fail(HE_ERR_VALUE, "the gradient of a %s table must be %s or %s, got %s", he_dtype_name(weight->dtype),
+                   he_dtype_name(weight->dtype), he_dtype_name(compute), he_dtype_name(dtype));
+}
+
 /* The coalesced gradient of ids with grad rows: ascending unique ids and
  * their sums (each in position order), in new buffers the caller frees. */
 static he_status coalesce(const he_dedup *d, const void *grad, int64_t dim, const he_reduce_opts *opts,
                           int64_t **unique_rows, void **sums, int64_t *count)
 {
-    size_t u = (size_t)(d->num_unique > 0 ? d->num_unique : 1), elem = he_dtype_size(opts->dtype);
+    size_t u = (size_t)(d->num_unique > 0 ? d->num_unique : 1), elem = he_dtype_size(he_compute_dtype(opts->dtype));
     *unique_rows = malloc(u * sizeof **unique_rows);
     *sums = malloc(u * (size_t)(dim > 0 ? dim : 1) * elem);
     if (!*unique_rows || !*sums)
@@ -191,12 +224,15 @@ static he_status coalesce(const he_dedup *d, const void *grad, int64_t dim, cons
 }
 
 he_status he_sparse_update(const he_optim_params *hp, const he_table *weight, const he_table *state,
-                           int num_state, const int64_t *indices, const void *values, int64_t nnz)
+                           int num_state, const int64_t *indices, const void *values, int values_dtype, int64_t nnz)
 {
     update_ctx u;
     he_status st = prepare(hp, weight, state, num_state, &u);
     if (st != HE_OK)
         return st;
+    if ((st = check_gradient_dtype(weight, values_dtype)) != HE_OK)
+        return st;
+    int compute = he_compute_dtype(weight->dtype);
     int64_t num_rows = weight->num_rows;
     if (nnz < 0)
         return he_fail(HE_ERR_VALUE, "a gradient needs nnz >= 0, got %" PRId64, nnz);
@@ -207,20 +243,24 @@ he_status he_sparse_update(const he_optim_params *hp, const he_table *weight, co
         if (k > 0 && indices[k] <= indices[k - 1])
             ascending = 0;
     }
-    if (ascending)
-        return update_rows(&u, indices, values, nnz);
+    /* rows_range widens a half gradient in blocks, too short for a rule
+     * that needs a long row whole: that one goes through coalesce, which
+     * writes it out widened. */
+    int whole_rows = values_dtype != compute && u.rule->prelude_f32 && weight->dim > HE_REDUCE_BLOCK;
+    if (ascending && !whole_rows)
+        return update_rows(&u, indices, values, values_dtype, nnz);
 
     he_dedup *d = NULL;
     int64_t *unique_rows = NULL, count = 0;
     void *sums = NULL;
     he_ids ids = {indices, nnz, 1};
     he_reduce_opts no_opts = {-1, 0};
-    no_opts.dtype = he_compute_dtype(weight->dtype);
+    no_opts.dtype = values_dtype;
     st = he_dedup_build(&ids, num_rows, &d);
     if (st == HE_OK)
         st = coalesce(d, values, weight->dim, &no_opts, &unique_rows, &sums, &count);
     if (st == HE_OK)
-        st = update_rows(&u, unique_rows, sums, count);
+        st = update_rows(&u, unique_rows, sums, compute, count);
     he_dedup_free(d);
     free(unique_rows);
     free(sums);
@@ -239,9 +279,9 @@ he_status he_sparse_update_fused(const he_dedup *d, const void *grad, const he_r
     if (d->num_rows != weight->num_rows)
         return he_fail(HE_ERR_VALUE, "the ids were checked against %" PRId64 " rows, the table has %" PRId64,
                        d->num_rows, weight->num_rows);
-    if (opts->dtype != he_compute_dtype(weight->dtype))
-        return he_fail(HE_ERR_VALUE, "the gradient of a %s table must be %s, got %s", he_dtype_name(weight->dtype),
-                       he_dtype_name(he_compute_dtype(weight->dtype)), he_dtype_name(opts->dtype));
+    if ((st = check_gradient_dtype(weight, opts->dtype)) != HE_OK)
+        return st;
+    int compute = he_compute_dtype(weight->dtype);
     if (u.rule->prelude_f32 && weight->dim > HE_REDUCE_BLOCK) {
         /* The sums of a long row come in blocks, and this rule needs the
          * whole row first: they go through memory, rounded to a half
@@ -252,7 +292,7 @@ he_status he_sparse_update_fused(const he_dedup *d, const void *grad, const he_r
         if (st == HE_OK && half_table(weight))
             he_round_row_f32(weight->dtype, sums, sums, count * weight->dim);
         if (st == HE_OK)
-            st = update_rows(&u, unique_rows, sums, count);
+            st = update_rows(&u, unique_rows, sums, compute, count);
         free(unique_rows);
         free(sums);
         return st;

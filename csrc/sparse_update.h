@@ -16,18 +16,22 @@
  * element [num_rows, dim], per row [num_rows, 1]; each checked against
  * its buffer with he_table_check and against the weight's shape; row
  * strides may differ) with gradient rows values[0..nnz) ([nnz, dim],
- * row-major). The weight may be of any he_dtype; values and the state are
- * in its compute type (he_dtype.h). Tables that do not fit their buffers, overlap, or do not
+ * row-major, of values_dtype). The weight may be of any he_dtype; the state
+ * is in its compute type (he_dtype.h), values in that or, for a float16 or
+ * bfloat16 table, in the table's own dtype (widened exactly, row by row).
+ * Tables that do not fit their buffers, overlap, or do not
  * match the optimizer (HE_ERR_VALUE), and indices outside [0, num_rows)
  * (HE_ERR_INDEX), are refused before anything is written. Repeated indices
  * are summed first, in ascending position order (autograd never marks the
  * gradient it stores as coalesced, so the indices are checked, not a
  * flag). */
 he_status he_sparse_update(const he_optim_params *hp, const he_table *weight, const he_table *state,
-                           int num_state, const int64_t *indices, const void *values, int64_t nnz);
+                           int num_state, const int64_t *indices, const void *values, int values_dtype,
+                           int64_t nnz);
 
 /* Backward and update in one pass (the fused mode): the gradient of a
- * lookup of d's ids is grad ([d->count, dim] rows in the batch's order);
+ * lookup of d's ids is grad ([d->count, dim] rows in the batch's order, of
+ * opts->dtype: the table's compute type or, for a half table, its dtype);
  * each unique id's rows are summed as he_grad_reduce sums them (opts) and
  * the sum goes straight into that row's update. The same bits as
  * he_grad_reduce followed by he_sparse_update. d must have been built for

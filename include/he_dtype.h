@@ -2,8 +2,8 @@
  * binding and the kernels. Arithmetic on a table runs in its compute type:
  * float64 for float64 tables (as torch computes them), float32 for the
  * others (float16 and bfloat16 rows are widened to float32 in registers,
- * updated, and rounded back on store). Gradients and optimizer state are in
- * the compute type. */
+ * updated, and rounded back on store). Gradients are summed, and optimizer
+ * state kept, in the compute type. */
 #ifndef HE_DTYPE_H
 #define HE_DTYPE_H
 

@@ -320,7 +320,7 @@ def test_shapes_larger_than_the_buffer_are_refused_before_any_work(num_rows, dim
     with pytest.raises(ValueError, match="weight: .*needs"):
         _C.sparse_update(kind=0, weight=buf, state=tuple(state), num_rows=num_rows, dim=dim,
                          indices=ids.data_ptr(), values=grad.data_ptr(), nnz=1, lr=1.0, beta1=0.9, beta2=0.999,
-                         eps=1e-8, lr_decay=0.0, step=1, maximize=False, weight_decay=0.0, dtype=0,
+                         eps=1e-8, lr_decay=0.0, step=1, maximize=False, weight_decay=0.0, dtype=0, values_dtype=0,
                          stochastic_rounding=False, seed=0)
     assert not any(bytes(memoryview(b)) != bytes(64) for b in [buf, *state])
 
@@ -331,7 +331,7 @@ def test_optimizer_state_buffers_too_small_shared_or_miscounted():
     ids, _ = _ids(3)
     grad = torch.ones(1, 4)
     hyper = dict(num_rows=4, dim=4, indices=ids.data_ptr(), values=grad.data_ptr(), nnz=1, lr=1.0, beta1=0.9,
-                 beta2=0.999, eps=1e-8, lr_decay=0.0, step=1, maximize=False, weight_decay=0.0, dtype=0,
+                 beta2=0.999, eps=1e-8, lr_decay=0.0, step=1, maximize=False, weight_decay=0.0, dtype=0, values_dtype=0,
                          stochastic_rounding=False, seed=0)
     with pytest.raises(ValueError, match=r"exp_avg: a \[4, 4\] float32 table .* needs 64 bytes, but its buffer has 60"):
         _C.sparse_update(kind=0, weight=w, state=(small, v), **hyper)

@@ -60,7 +60,7 @@ class PooledLookup(torch.autograd.Function):
             if not (table.fused and _fused.take_gradient(table, _fused.CpuGradient(
                     ids, grad_out, padding_idx, scale_grad_by_freq, ctx.dedup, pooling))):
                 indices, values = _ops._reduce_rows(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq,
-                                                    ctx.dedup, pooling)
+                                                    ctx.dedup, pooling, rounded=True)
                 grad = _ops.weight_grad(indices, values, num_rows, dim, sparse, rows.dtype)
         return (grad, None, None, weights_grad) + (None,) * 7
 

@@ -224,20 +224,24 @@ def grad_reduce(ids: Tensor, grad: Tensor, num_rows: int, padding_idx: int,
     return _reduce_rows(ids, grad, num_rows, padding_idx, scale_grad_by_freq)
 
 
-def _reduce_rows(ids, grad, num_rows, padding_idx, scale_grad_by_freq, dedup=None, pooling=None):
+def _reduce_rows(ids, grad, num_rows, padding_idx, scale_grad_by_freq, dedup=None, pooling=None, rounded=False):
     """grad_reduce, reusing the forward's Dedup of the same ids if given;
-    with pooling (a bag's _fused.Pooling), grad has a row per bag."""
+    with pooling (a bag's _fused.Pooling), grad has a row per bag. rounded:
+    the values of a half grad come in its dtype (rounded by the core, as
+    weight_grad would round them)."""
     dim = grad.shape[-1]
     ids = ids.reshape(-1).contiguous()
     dtype = compute_dtype(grad.dtype)  # a float64 table's gradient is float64
-    rows, bags, _weights = _gradient_rows(grad, ids, dim, pooling, dtype)
+    # The core widens a half gradient's rows itself.
+    rows, bags, _weights = _gradient_rows(grad, ids, dim, pooling, grad.dtype if grad.dtype in DTYPE_CODES else dtype)
     if dedup is None:
         dedup = _C.Dedup(**_cpu_ids(ids), num_rows=num_rows)
+    rounded = rounded and rows.dtype != dtype
     indices = torch.empty(dedup.num_unique, dtype=torch.int64)
-    values = scratch(dedup.num_unique, dim, dtype=dtype)
+    values = scratch(dedup.num_unique, dim, dtype=rows.dtype if rounded else dtype)
     written = _C.grad_reduce(dedup=dedup, grad=_address(rows), dim=dim, padding_idx=padding_idx,
                              scale_grad_by_freq=scale_grad_by_freq, values=_address(values),
-                             indices=_address(indices), dtype=DTYPE_CODES[dtype], **bags)
+                             indices=_address(indices), dtype=DTYPE_CODES[rows.dtype], round_sums=rounded, **bags)
     if written == dedup.num_unique:
         return indices, values
     return indices[:written].clone(), values[:written].clone()
@@ -247,7 +251,8 @@ def _gradient_rows(grad, ids, dim, pooling, dtype):
     """(grad as contiguous rows of dtype, the core's pooling arguments, the
     row weights they point at, to keep until the call): a row per id, or
     with pooling a row per bag, each id's bag and weight checked here for
-    shape and by the core for range (the weights converted to dtype)."""
+    shape and by the core for range (the weights converted to dtype's
+    compute dtype, which the sums are in)."""
     if pooling is None:
         return (_float_rows(grad, ids.numel(), dim, "cpu", dtype), {"bag_of": 0, "row_weights": 0, "num_bags": 0},
                 None)
@@ -258,7 +263,7 @@ def _gradient_rows(grad, ids, dim, pooling, dtype):
                          f"row_weights of {ids.numel()} entries, got {bag_of.dtype} {list(bag_of.shape)} and "
                          f"{None if weights is None else (weights.dtype, list(weights.shape))}")
     if weights is not None:
-        weights = weights.to(dtype).contiguous()
+        weights = weights.to(compute_dtype(dtype)).contiguous()
     rows = grad.to(device="cpu", dtype=dtype).contiguous().reshape(-1, dim)
     return rows, {"bag_of": _address(bag_of), "row_weights": 0 if weights is None else _address(weights),
                   "num_bags": rows.shape[0]}, weights
@@ -290,12 +295,11 @@ def _lookup_backward(ctx, grad_out):
         if table is not None and table.fused and _fused.take_gradient(
                 table, _fused.CpuGradient(ids, grad_out, padding_idx, scale_grad_by_freq, dedup)):
             return (None,) * 7  # applied when the backward pass ends; no weight.grad
-        if dedup is not None:  # eager, with max_norm: the forward's sort
-            indices, values = _reduce_rows(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq, dedup)
-        elif torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             indices, values = grad_reduce.op(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq)
-        else:
-            indices, values = grad_reduce(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq)
+        else:  # with max_norm, reusing the forward's sort
+            indices, values = _reduce_rows(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq, dedup,
+                                           rounded=True)
         grad = weight_grad(indices, values, num_rows, dim, sparse, ctx.table_dtype)
     return grad, None, None, None, None, None, None
 
@@ -354,8 +358,8 @@ def sparse_update(kind: int, weight: Tensor, state, indices: Tensor, values: Ten
         _C.sparse_update(kind=kind, weight=table.buffer, state=buffers, num_rows=table.num_rows, dim=table.dim,
                          indices=_address(indices), values=_address(values), nnz=indices.numel(), lr=lr,
                          beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
-                         weight_decay=weight_decay, dtype=table.code, stochastic_rounding=table.stochastic_rounding,
-                         seed=table.seed)
+                         weight_decay=weight_decay, dtype=table.code, values_dtype=DTYPE_CODES[values.dtype],
+                         stochastic_rounding=table.stochastic_rounding, seed=table.seed)
         table.rows_changed(indices)
 
 
@@ -372,8 +376,8 @@ def sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indices: T
 
 def _row_gradient(table, indices, values, device, name="SparseAdam"):
     """A row-sparse gradient's (indices, values) as the core reads them:
-    int64 [nnz] and [nnz, dim] in the table's compute dtype, contiguous, on
-    `device`. Refuses any
+    int64 [nnz] and [nnz, dim] in the table's dtype or compute dtype
+    (HostTable.gradient_dtype), contiguous, on `device`. Refuses any
     other shape (a values tensor with the right number of elements but
     another shape would otherwise be read as rows) before the core runs."""
     if indices.dim() != 1 or indices.dtype not in (torch.int64, torch.int32):
@@ -389,7 +393,7 @@ def _row_gradient(table, indices, values, device, name="SparseAdam"):
             f"{values.dtype} tensor"
         )
     indices = indices.to(device=device, dtype=torch.int64).contiguous()
-    values = values.to(device=device, dtype=table.state_dtype).contiguous()
+    values = values.to(device=device, dtype=table.gradient_dtype(values.dtype)).contiguous()
     return indices, values
 
 
@@ -426,7 +430,8 @@ def sparse_update_fused(kind: int, weight: Tensor, state, gradient, *, lr: float
     table = host_table_of(weight, name)
     buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
     ids = gradient.ids.reshape(-1).contiguous()
-    rows, bags, _weights = _gradient_rows(gradient.grad, ids, table.dim, gradient.pooling, table.state_dtype)
+    rows, bags, _weights = _gradient_rows(gradient.grad, ids, table.dim, gradient.pooling,
+                                          table.gradient_dtype(gradient.grad.dtype))
     dedup = gradient.dedup
     if dedup is None:
         dedup = _C.Dedup(**_cpu_ids(ids), num_rows=table.num_rows)
@@ -436,7 +441,7 @@ def sparse_update_fused(kind: int, weight: Tensor, state, gradient, *, lr: float
                                scale_grad_by_freq=gradient.scale_grad_by_freq, kind=kind, weight=table.buffer,
                                state=buffers, num_rows=table.num_rows, dim=table.dim, lr=lr, beta1=beta1,
                                beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
-                               weight_decay=weight_decay, dtype=table.code,
+                               weight_decay=weight_decay, dtype=table.code, grad_dtype=DTYPE_CODES[rows.dtype],
                                stochastic_rounding=table.stochastic_rounding, seed=table.seed, **bags)
         table.rows_changed(ids)
 
@@ -446,7 +451,7 @@ def reduce_to_host(table, gradient):
     reduced as its unfused backward would: (indices, values) on the CPU."""
     if isinstance(gradient, _fused.CpuGradient):
         indices, values = _reduce_rows(gradient.ids, gradient.grad, table.num_rows, gradient.padding_idx,
-                                       gradient.scale_grad_by_freq, gradient.dedup, gradient.pooling)
+                                       gradient.scale_grad_by_freq, gradient.dedup, gradient.pooling, rounded=True)
         # Rounded to the table's dtype, as each lookup's weight.grad is.
         return indices, values.to(table.dtype)
     indices, values = gradient.wait()

@@ -213,6 +213,12 @@ class HostTable:
     def state_dtype(self):
         return compute_dtype(self.dtype)
 
+    def gradient_dtype(self, dtype):
+        """The dtype the core reads a gradient of `dtype` in: the table's
+        own (a half table's weight.grad and output gradient stay half, the
+        core widens their rows), else the compute dtype."""
+        return self.dtype if dtype == self.dtype else self.state_dtype
+
     def _new_buffer(self, *, first_touch=False, per_row=False, dtype=None):
         width = 1 if per_row else self.dim
         dtype = self.dtype if dtype is None else dtype

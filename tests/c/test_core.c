@@ -1518,18 +1518,18 @@ static void test_sparse_update_every_optimizer(void)
             float *values = xmalloc((size_t)(d->num_unique * dim) * sizeof *values);
             int64_t *indices = xmalloc((size_t)d->num_unique * sizeof *indices), nnz = 0;
             CHECK_ST(he_grad_reduce(d, grad, dim, &opts, values, indices, &nnz), HE_OK);
-            CHECK_ST(he_sparse_update(&hp, &t[1][0], &t[1][1], rule->num_state, indices, values, nnz), HE_OK);
+            CHECK_ST(he_sparse_update(&hp, &t[1][0], &t[1][1], rule->num_state, indices, values, HE_F32, nnz), HE_OK);
             for (int i = 0; i <= rule->num_state; i++)
                 CHECKF(memcmp(mem[0][i], mem[1][i], t[0][i].nbytes) == 0,
                        "%s, dim %" PRId64 ": table %d differs between fused and unfused", rule->name, dim, i);
             CHECKF(nnz > 0, "%s: no rows", rule->name);
             /* A miscounted or mis-shaped state is refused before any write. */
-            CHECK_ST(he_sparse_update(&hp, &t[1][0], &t[1][1], rule->num_state + 1, indices, values, nnz),
+            CHECK_ST(he_sparse_update(&hp, &t[1][0], &t[1][1], rule->num_state + 1, indices, values, HE_F32, nnz),
                      HE_ERR_VALUE);
             if (rule->num_state > 0) {
                 he_table wrong[2] = {t[1][1], t[1][2]};
                 wrong[0].dim = rule->per_row[0] ? dim : 1;
-                CHECK_ST(he_sparse_update(&hp, &t[1][0], wrong, rule->num_state, indices, values, nnz),
+                CHECK_ST(he_sparse_update(&hp, &t[1][0], wrong, rule->num_state, indices, values, HE_F32, nnz),
                          HE_ERR_VALUE);
             }
             for (int i = 0; i <= rule->num_state; i++)
@@ -1547,12 +1547,12 @@ static void test_sparse_update_every_optimizer(void)
     int64_t row0 = 0;
     he_table tw = he_table_contiguous(&w1, sizeof w1, 1, 1);
     he_table ts[2] = {he_table_contiguous(&m1, sizeof m1, 1, 1), he_table_contiguous(&v1, sizeof v1, 1, 1)};
-    CHECK_ST(he_sparse_update(&negative_decay, &tw, ts, 2, &row0, &g1, 1), HE_ERR_VALUE);
+    CHECK_ST(he_sparse_update(&negative_decay, &tw, ts, 2, &row0, &g1, HE_F32, 1), HE_ERR_VALUE);
     CHECK_MSG("weight_decay must be >= 0");
     CHECK(w1 == 1.0f && m1 == 0.0f && v1 == 0.0f);
     he_optim_params bad = {.kind = 17};
     he_table none = he_table_contiguous(NULL, 0, 0, 0);
-    CHECK_ST(he_sparse_update(&bad, &none, NULL, 0, NULL, NULL, 0), HE_ERR_VALUE);
+    CHECK_ST(he_sparse_update(&bad, &none, NULL, 0, NULL, NULL, HE_F32, 0), HE_ERR_VALUE);
     CHECK_MSG("unknown optimizer kind 17");
     group_end("sparse_update_every_optimizer");
 }
@@ -1615,7 +1615,7 @@ static void test_grad_reduce_pooled(void)
         float *values = xmalloc((size_t)(d->num_unique * dim) * sizeof *values);
         int64_t *indices = xmalloc((size_t)d->num_unique * sizeof *indices), nnz = 0;
         CHECK_ST(he_grad_reduce(d, grad, dim, &pooled, values, indices, &nnz), HE_OK);
-        CHECK_ST(he_sparse_update(&hp, &t[1][0], &t[1][1], rule->num_state, indices, values, nnz), HE_OK);
+        CHECK_ST(he_sparse_update(&hp, &t[1][0], &t[1][1], rule->num_state, indices, values, HE_F32, nnz), HE_OK);
         for (int i = 0; i < 3; i++)
             CHECKF(memcmp(mem[0][i], mem[1][i], t[0][i].nbytes) == 0,
                    "dim %" PRId64 ": table %d differs between fused and unfused pooled updates", dim, i);
@@ -2273,8 +2273,12 @@ static void test_convert(void)
 /* Optimizer updates of float16, bfloat16 and float64 tables: fused and
  * unfused give the same bits; a half table's update is the float32 update
  * of its widened rows (with the gradient rounded to the table's dtype, as
- * weight.grad is) rounded back, with the same float32 state; state of the
- * wrong dtype is refused. */
+ * weight.grad is) rounded back, with the same float32 state; a half
+ * gradient (the output gradient, weight.grad) gives the same bits as its
+ * float32 widening, fused and unfused, summed (and rounded) and not; state
+ * and gradients of the wrong dtype are refused. */
+enum { UPD_FUSED, UPD_UNFUSED, UPD_F32_REF, UPD_FUSED_HALF, UPD_UNFUSED_HALF, UPD_COPIES };
+
 static void test_sparse_update_dtypes(void)
 {
     group_begin();
@@ -2285,11 +2289,12 @@ static void test_sparse_update_dtypes(void)
         const he_optim_rule *rule = he_optim_rule_of(kind);
         for (int t = 0; t < 3; t++) {
             for (size_t di = 0; di < 2; di++) {
-                int dt = types[t], ct = he_compute_dtype(dt);
+                int dt = types[t], ct = he_compute_dtype(dt), half = ct != dt;
                 int64_t dim = dims[di];
                 size_t we = he_dtype_size(dt), ce = he_dtype_size(ct);
                 int64_t *ids = xmalloc((size_t)count * sizeof *ids);
                 float *grad32 = xmalloc((size_t)(count * dim) * sizeof(float));
+                uint16_t *grad16 = xmalloc((size_t)(count * dim) * sizeof(uint16_t));
                 g_rng = 7 + (uint64_t)dim + (uint64_t)t;
                 for (int64_t i = 0; i < count; i++)
                     ids[i] = (int64_t)(rng_below(3) ? rng_below(8) : rng_below((uint64_t)rows));
@@ -2300,23 +2305,26 @@ static void test_sparse_update_dtypes(void)
                     for (int64_t i = 0; i < count * dim; i++)
                         g64[i] = (double)grad32[i] * (1.0 + 1e-9);
                     grad = g64;
+                } else {
+                    /* A half table's output gradient is half: grad32 is its widening. */
+                    he_row_from_f32(dt, grad32, grad16, count * dim, 0, 0, 0, 0);
+                    he_row_to_f32(dt, grad16, grad32, count * dim);
                 }
-                /* [0] fused, [1] unfused, [2] float32 reference (half tables). */
-                void *w[3], *s[3][2];
-                he_table tw[3], ts[3][2];
+                void *w[UPD_COPIES], *s[UPD_COPIES][2];
+                he_table tw[UPD_COPIES], ts[UPD_COPIES][2];
                 float *w0 = xmalloc((size_t)(rows * dim) * sizeof(float));
                 fill_uniform(w0, rows * dim, -1.0, 1.0);
-                for (int c = 0; c < 3; c++) {
-                    int wdt = c == 2 ? HE_F32 : dt;
+                for (int c = 0; c < UPD_COPIES; c++) {
+                    int wdt = c == UPD_F32_REF ? HE_F32 : dt;
                     size_t wbytes = (size_t)(rows * dim) * he_dtype_size(wdt);
                     w[c] = xmalloc(wbytes);
                     for (int64_t r = 0; r < rows; r++) {
-                        if (dt == HE_F64 && c < 2) {
+                        if (dt == HE_F64 && c != UPD_F32_REF) {
                             for (int64_t j = 0; j < dim; j++)
                                 ((double *)w[c])[r * dim + j] = (double)w0[r * dim + j];
-                        } else if (c < 2) {
+                        } else if (c != UPD_F32_REF) {
                             he_row_from_f32(dt, w0 + r * dim, (char *)w[c] + (size_t)(r * dim) * we, dim, 0, 0, 0, 0);
-                        } else if (dt != HE_F64) {
+                        } else if (half) {
                             he_round_row_f32(dt, w0 + r * dim, (float *)w[c] + r * dim, dim);
                         }
                     }
@@ -2325,7 +2333,7 @@ static void test_sparse_update_dtypes(void)
                         int64_t width = rule->per_row[i] ? 1 : dim;
                         size_t bytes = (size_t)(rows * width) * ce;
                         s[c][i] = calloc(1, bytes ? bytes : 1);
-                        ts[c][i] = he_table_typed(s[c][i], bytes, rows, width, c == 2 ? HE_F32 : ct);
+                        ts[c][i] = he_table_typed(s[c][i], bytes, rows, width, c == UPD_F32_REF ? HE_F32 : ct);
                     }
                 }
                 he_optim_params hp = {.kind = kind, .lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-6,
@@ -2336,37 +2344,92 @@ static void test_sparse_update_dtypes(void)
                 he_ids view = {ids, count, 1};
                 he_dedup *d = NULL;
                 CHECK_ST(he_dedup_build(&view, rows, &d), HE_OK);
-                CHECK_ST(he_sparse_update_fused(d, grad, &opts, &hp, &tw[0], ts[0], rule->num_state), HE_OK);
+                CHECK_ST(he_sparse_update_fused(d, grad, &opts, &hp, &tw[UPD_FUSED], ts[UPD_FUSED], rule->num_state),
+                         HE_OK);
                 void *values = xmalloc((size_t)(d->num_unique * dim) * ce);
                 int64_t *indices = xmalloc((size_t)d->num_unique * sizeof *indices), nnz = 0;
                 CHECK_ST(he_grad_reduce(d, grad, dim, &opts, values, indices, &nnz), HE_OK);
-                if (dt != HE_F64)
+                if (half)
                     he_round_row_f32(dt, values, values, nnz * dim); /* weight.grad is in the table's dtype */
-                CHECK_ST(he_sparse_update(&hp, &tw[1], ts[1], rule->num_state, indices, values, nnz), HE_OK);
-                CHECKF(memcmp(w[0], w[1], tw[0].nbytes) == 0, "%s %s dim %" PRId64 ": fused and unfused differ",
-                       rule->name, he_dtype_name(dt), dim);
+                CHECK_ST(he_sparse_update(&hp, &tw[UPD_UNFUSED], ts[UPD_UNFUSED], rule->num_state, indices, values,
+                                          ct, nnz),
+                         HE_OK);
+                CHECKF(memcmp(w[UPD_FUSED], w[UPD_UNFUSED], tw[0].nbytes) == 0,
+                       "%s %s dim %" PRId64 ": fused and unfused differ", rule->name, he_dtype_name(dt), dim);
                 for (int i = 0; i < rule->num_state; i++)
-                    CHECK(memcmp(s[0][i], s[1][i], ts[0][i].nbytes) == 0);
-                if (dt != HE_F64) {
-                    CHECK_ST(he_sparse_update(&hp, &tw[2], ts[2], rule->num_state, indices, values, nnz), HE_OK);
+                    CHECK(memcmp(s[UPD_FUSED][i], s[UPD_UNFUSED][i], ts[0][i].nbytes) == 0);
+                if (half) {
+                    CHECK_ST(he_sparse_update(&hp, &tw[UPD_F32_REF], ts[UPD_F32_REF], rule->num_state, indices,
+                                              values, HE_F32, nnz),
+                             HE_OK);
                     float *widened = xmalloc((size_t)(rows * dim) * sizeof(float));
-                    he_row_to_f32(dt, w[1], widened, rows * dim);
-                    he_round_row_f32(dt, w[2], w[2], rows * dim);
-                    CHECKF(memcmp(widened, w[2], (size_t)(rows * dim) * sizeof(float)) == 0,
+                    he_row_to_f32(dt, w[UPD_UNFUSED], widened, rows * dim);
+                    he_round_row_f32(dt, w[UPD_F32_REF], w[UPD_F32_REF], rows * dim);
+                    CHECKF(memcmp(widened, w[UPD_F32_REF], (size_t)(rows * dim) * sizeof(float)) == 0,
                            "%s %s dim %" PRId64 ": not the rounded float32 update", rule->name, he_dtype_name(dt), dim);
                     for (int i = 0; i < rule->num_state; i++)
-                        CHECK(memcmp(s[1][i], s[2][i], ts[1][i].nbytes) == 0);
+                        CHECK(memcmp(s[UPD_UNFUSED][i], s[UPD_F32_REF][i], ts[1][i].nbytes) == 0);
                     free(widened);
+
+                    /* The half gradient itself: summed, fused, and as weight.grad. */
+                    he_reduce_opts half_opts = opts;
+                    half_opts.dtype = dt;
+                    float *sums = xmalloc((size_t)(d->num_unique * dim) * sizeof(float));
+                    int64_t *sum_rows = xmalloc((size_t)d->num_unique * sizeof *sum_rows), sum_count = 0;
+                    CHECK_ST(he_grad_reduce(d, grad16, dim, &half_opts, sums, sum_rows, &sum_count), HE_OK);
+                    he_round_row_f32(dt, sums, sums, sum_count * dim);
+                    CHECKF(sum_count == nnz && memcmp(sums, values, (size_t)(nnz * dim) * sizeof(float)) == 0 &&
+                               memcmp(sum_rows, indices, (size_t)nnz * sizeof *indices) == 0,
+                           "%s dim %" PRId64 ": a half gradient's sums are not its widening's", he_dtype_name(dt),
+                           dim);
+                    /* round_sums writes them rounded, in the half dtype. */
+                    half_opts.round_sums = 1;
+                    uint16_t *rounded = xmalloc((size_t)(d->num_unique * dim) * sizeof(uint16_t));
+                    CHECK_ST(he_grad_reduce(d, grad16, dim, &half_opts, rounded, sum_rows, &sum_count), HE_OK);
+                    he_row_to_f32(dt, rounded, sums, sum_count * dim);
+                    CHECK(sum_count == nnz && memcmp(sums, values, (size_t)(nnz * dim) * sizeof(float)) == 0);
+                    half_opts.round_sums = 0;
+                    free(rounded);
+                    CHECK_ST(he_sparse_update_fused(d, grad16, &half_opts, &hp, &tw[UPD_FUSED_HALF],
+                                                    ts[UPD_FUSED_HALF], rule->num_state),
+                             HE_OK);
+                    uint16_t *values16 = xmalloc((size_t)(nnz * dim) * sizeof(uint16_t));
+                    he_row_from_f32(dt, values, values16, nnz * dim, 0, 0, 0, 0);
+                    CHECK_ST(he_sparse_update(&hp, &tw[UPD_UNFUSED_HALF], ts[UPD_UNFUSED_HALF], rule->num_state,
+                                              indices, values16, dt, nnz),
+                             HE_OK);
+                    for (int c = UPD_FUSED_HALF; c <= UPD_UNFUSED_HALF; c++) {
+                        CHECKF(memcmp(w[c], w[UPD_UNFUSED], tw[0].nbytes) == 0,
+                               "%s %s dim %" PRId64 ": a half gradient (%s) updates otherwise than float32", rule->name,
+                               he_dtype_name(dt), dim, c == UPD_FUSED_HALF ? "fused" : "unfused");
+                        for (int i = 0; i < rule->num_state; i++)
+                            CHECK(memcmp(s[c][i], s[UPD_UNFUSED][i], ts[0][i].nbytes) == 0);
+                    }
+                    /* A gradient of the other half dtype is refused, nothing written. */
+                    int other = dt == HE_F16 ? HE_BF16 : HE_F16;
+                    CHECK_ST(he_sparse_update(&hp, &tw[UPD_UNFUSED_HALF], ts[UPD_UNFUSED_HALF], rule->num_state,
+                                              indices, values16, other, nnz),
+                             HE_ERR_VALUE);
+                    CHECK_MSG("must be ");
+                    half_opts.dtype = other;
+                    CHECK_ST(he_sparse_update_fused(d, grad16, &half_opts, &hp, &tw[UPD_FUSED_HALF],
+                                                    ts[UPD_FUSED_HALF], rule->num_state),
+                             HE_ERR_VALUE);
+                    CHECK(memcmp(w[UPD_FUSED_HALF], w[UPD_UNFUSED], tw[0].nbytes) == 0);
+                    free(values16);
+                    free(sums);
+                    free(sum_rows);
                 }
                 if (rule->num_state > 0) {
                     he_table wrong[2] = {ts[1][0], ts[1][1]};
                     wrong[0].dtype = ct == HE_F64 ? HE_F32 : HE_F64;
-                    CHECK_ST(he_sparse_update(&hp, &tw[1], wrong, rule->num_state, indices, values, nnz), HE_ERR_VALUE);
+                    CHECK_ST(he_sparse_update(&hp, &tw[1], wrong, rule->num_state, indices, values, ct, nnz),
+                             HE_ERR_VALUE);
                     /* (float64 state is twice the buffer of float32: refused for its size first) */
                     if (ct == HE_F64)
                         CHECK_MSG("must be float64, got float32");
                 }
-                for (int c = 0; c < 3; c++) {
+                for (int c = 0; c < UPD_COPIES; c++) {
                     free(w[c]);
                     free(s[c][0]);
                     free(s[c][1]);
@@ -2374,6 +2437,7 @@ static void test_sparse_update_dtypes(void)
                 if (grad != grad32)
                     free(grad);
                 free(grad32);
+                free(grad16);
                 free(w0);
                 free(values);
                 free(indices);
