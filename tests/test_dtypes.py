@@ -285,22 +285,37 @@ def _rss_kib(field):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
-@pytest.mark.parametrize("to", [torch.bfloat16, torch.float64])
-def test_a_cast_never_holds_two_copies_of_the_table_in_one_dtype(to):
+@pytest.mark.parametrize("start, to", [(torch.float32, torch.bfloat16), (torch.float32, torch.float64),
+                                       (torch.bfloat16, torch.float32)])
+def test_a_cast_peaks_at_the_larger_table_plus_a_chunk(start, to):
     rows, dim = 1 << 18, 128  # 128 MiB as float32
-    emb = hostembed.Embedding(rows, dim)
-    old_bytes = rows * dim * 4
+    emb = hostembed.Embedding(rows, dim, dtype=start)
+    old_bytes = rows * dim * start.itemsize
     new_bytes = rows * dim * to.itemsize
+    expected = emb.weight.detach().to(to)
     _peak_rss_reset()
-    base = _rss_kib("VmRSS:") * 1024
+    base = _rss_kib("VmRSS:") * 1024  # the old table is resident
     emb.to(to)
     peak = _rss_kib("VmHWM:") * 1024 - base
     after = _rss_kib("VmRSS:") * 1024 - base
-    # The new table, plus chunk buffers; the old one is already resident.
-    assert peak <= new_bytes + (32 << 20), (peak >> 20, new_bytes >> 20)
-    # The old memory is gone afterwards.
+    # Old pages go as their rows are converted: never both tables.
+    assert peak <= max(new_bytes - old_bytes, 0) + (32 << 20), (peak >> 20, old_bytes >> 20, new_bytes >> 20)
     assert after <= new_bytes - old_bytes + (32 << 20)
-    assert emb.weight.dtype == to
+    assert emb.weight.dtype == to and torch.equal(emb.weight.detach(), expected)
+
+
+def test_a_cast_leaves_a_kept_view_of_the_old_rows_intact():
+    # torch's cast makes new memory: a view taken before still reads the
+    # old values. The old memory is then released only after the copy.
+    emb = hostembed.Embedding(5000, 64)
+    kept = emb.weight.detach()[10:20]
+    before = kept.clone()
+    emb.bfloat16()
+    assert torch.equal(kept, before)
+    assert torch.equal(emb.weight.detach()[10:20], before.bfloat16())
+    del kept
+    emb.float()  # nothing else sees the bfloat16 rows: released as they go
+    assert torch.equal(emb.weight.detach()[10:20], before.bfloat16().float())
 
 
 def test_stochastic_rounding_keeps_small_updates_on_average_and_repeats_with_the_seed():

@@ -120,10 +120,12 @@ class HostTableModule:
 
     def _retype(self, dtype) -> None:
         """A module cast: the table's rows converted to dtype in host memory
-        (row chunks, the old memory freed after), the weight pointed at
-        them. Optimizer state converts at the optimizer's next step."""
+        (row chunks, the old memory freed as they go: HostTable.retype), the
+        weight pointed at them. Optimizer state converts at the optimizer's
+        next step."""
         weight = self._parameters["weight"]
-        new = self._table.retype(dtype, lambda dst, src: copy_rows(dst, src, desc=f"casting to {dtype}"))
+        new = self._table.retype(dtype, lambda dst, src, release: copy_rows(
+            dst, src, release_source=release, desc=f"casting to {dtype}"))
         weight.data = new
         self._table.bind(weight)
 

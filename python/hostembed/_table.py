@@ -120,6 +120,15 @@ def host_tensor(buf, num_rows, dim, dtype=torch.float32):
     return torch.frombuffer(buf, dtype=dtype, count=num_rows * dim).view(num_rows, dim)
 
 
+def _seen_only_by_table(tensor):
+    """Whether the table's rows tensor is all that sees its memory: its
+    storage's users are the frombuffer tensor, the table's [N, D] view of
+    it, the weight, and the storage object made here to ask (torch's
+    private count; without it, assume others)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is not None and use_count(tensor.untyped_storage()._cdata) <= 4
+
+
 def allocate(num_rows, dim, *, dtype=torch.float32, first_touch=False):
     """A zeroed HostBuffer for a [num_rows, dim] table of dtype, or a
     MemoryError naming the size."""
@@ -237,17 +246,22 @@ class HostTable:
         return self._new_buffer(first_touch=first_touch, per_row=per_row, dtype=self.state_dtype)[1]
 
     def retype(self, dtype, copy):
-        """Converts the rows to `dtype` in new host memory: copy(dst, src)
-        fills the new [num_rows, dim] tensor from the old one (in chunks),
-        then the old memory is freed, so a cast holds the table once in each
-        dtype at its peak, never twice in one. Returns the new tensor; the
-        caller points the weight at it. Optimizer state made before stays
-        in the old compute dtype (an optimizer step then says so)."""
+        """Converts the rows to `dtype` in new host memory: copy(dst, src,
+        release) fills the new [num_rows, dim] tensor from the old one in
+        chunks, each new page backed as it is written, and with release
+        drops each old chunk's pages once converted, so a cast's peak is the
+        larger of the two tables plus a chunk: never both. Without release
+        (the old rows are seen from elsewhere: a view kept by the user, as
+        torch's cast would leave it intact, or a GPU's pinned mapping) the
+        old memory goes after the copy. Returns the new tensor; the caller
+        points the weight at it. Optimizer state made before stays in the
+        old compute dtype (an optimizer step then says so)."""
         self.wait_for_gpu_use()
         self.prefetch = None  # its rows are in the old dtype
         old_buffer, old_tensor = self.buffer, self.tensor
-        buf, tensor = self._new_buffer(first_touch=True, dtype=dtype)
-        copy(tensor, old_tensor)
+        release = old_tensor.numel() > 0 and not self.registered and _seen_only_by_table(old_tensor)
+        buf, tensor = self._new_buffer(dtype=dtype)
+        copy(tensor, old_tensor, release)
         if old_tensor.numel():
             _by_address.pop(old_tensor.data_ptr(), None)
             self._buffers.pop(old_buffer.address, None)
