@@ -345,14 +345,16 @@ def test_stochastic_rounding_keeps_small_updates_on_average_and_repeats_with_the
         hostembed.Embedding(2, 2).stochastic_rounding = 1
 
 
-def test_half_bag_takes_per_sample_weights_of_its_dtype_or_float32():
-    ref, ours = _pair("sum", torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_bag_takes_per_sample_weights_of_its_own_dtype_only_as_torch(dtype):
+    ref, ours = _pair("sum", dtype)
     ids = _ids(12).reshape(3, 4)
-    psw = torch.rand(3, 4).to(torch.bfloat16)
+    psw = torch.rand(3, 4).to(dtype)
     assert torch.equal(ours(ids, per_sample_weights=psw), ref(ids, per_sample_weights=psw))
-    assert torch.equal(ours(ids, per_sample_weights=psw.float()), ref(ids, per_sample_weights=psw))
-    with pytest.raises(RuntimeError, match="per_sample_weights must be float32 or the table's dtype"):
-        ours(ids, per_sample_weights=psw.double())
+    with pytest.raises(RuntimeError, match="have the same type as"):
+        ref(ids, per_sample_weights=psw.float())
+    with pytest.raises(RuntimeError, match=f"have the same type as the weight \\({dtype}\\), got torch.float32"):
+        ours(ids, per_sample_weights=psw.float())
 
 
 def test_replace_embeddings_keeps_each_tables_dtype():

@@ -65,28 +65,37 @@ def flatten(input, offsets, per_sample_weights, mode, include_last_offset, weigh
             f"mode='sum' (got mode='{mode}'). Please open a feature request on GitHub."
         )
     check_ids(offsets, WHO, "offsets")
-    _check_offsets(offsets, input.numel(), include_last_offset)
-    if per_sample_weights is not None:
-        if per_sample_weights.dtype not in (torch.float32, weights_dtype):
-            raise RuntimeError(f"{WHO}: per_sample_weights must be float32 or the table's dtype "
-                               f"{weights_dtype}, got {per_sample_weights.dtype}")
-        # Pooled in the table's dtype (torch's embedding_bag takes one dtype);
-        # its gradient goes back in the caller's.
-        per_sample_weights = per_sample_weights.to(weights_dtype)
+    in_bags = _check_offsets(offsets, input.numel(), include_last_offset)
+    if in_bags < input.numel():
+        # The ids after the last offset belong to no bag. (torch documents
+        # the last offset as the input's length; past it, its CPU kernel
+        # pools them into the last bag in some modes and not in others.)
+        input = input[:in_bags]
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights[:in_bags]
+    if per_sample_weights is not None and per_sample_weights.dtype != weights_dtype:
+        # torch's embedding_bag takes one dtype for both, in these words.
+        raise RuntimeError(f"{WHO}: expected per_sample_weights to have the same type as the weight "
+                           f"({weights_dtype}), got {per_sample_weights.dtype}")
     return input, offsets, per_sample_weights, include_last_offset
 
 
 def _check_offsets(offsets, count, include_last_offset):
     """Each bag is a range of the ids: offsets start at 0, never decrease and
-    end within the ids. One host read of a bool for offsets on a GPU."""
+    end within the ids. Returns how many ids are in bags: count, or with
+    include_last_offset the last offset. One host read of a bool for
+    offsets on a GPU (two for a last offset short of count)."""
     if offsets.numel() == 0:
         if include_last_offset:
             raise RuntimeError("include_last_offset: number of offset should be at least 1")
-        return
+        return count
     first, last = offsets[0], offsets[-1]
     decreasing = offsets[1:] < offsets[:-1]
-    if not bool((first != 0) | (last > count) | decreasing.any()):
-        return
+    unusual = (first != 0) | (last > count) | decreasing.any()
+    if include_last_offset:
+        unusual |= last < count
+    if not bool(unusual):
+        return count
     if int(first) != 0:
         raise RuntimeError("offsets[0] has to be 0, i.e., the first sequence in the mini-batch has to start "
                            f"from position 0. However, got {int(first)}")
@@ -94,5 +103,7 @@ def _check_offsets(offsets, count, include_last_offset):
         at = int(decreasing.nonzero()[0]) + 1
         raise RuntimeError(f"{WHO}: offsets must not decrease (each bag is a range of the input), but "
                            f"offsets[{at}] = {int(offsets[at])} < offsets[{at - 1}] = {int(offsets[at - 1])}")
-    raise RuntimeError(f"offsets[-1] can not be greater than input's length {count} but got offsets[-1] of "
-                       f"{int(last)}")
+    if int(last) > count:
+        raise RuntimeError(f"offsets[-1] can not be greater than input's length {count} but got offsets[-1] of "
+                           f"{int(last)}")
+    return int(last)

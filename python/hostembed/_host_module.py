@@ -19,14 +19,15 @@ from ._table import HostTable, check_table_dtype, dtype_name
 _UNINITIALISED = object()
 
 
-def padding_index(padding_idx, num_embeddings):
+def padding_index(padding_idx, num_embeddings, word="Padding_idx"):
     """padding_idx checked and made non-negative, with torch's own
-    AssertionErrors."""
+    AssertionErrors (nn.Embedding's say "Padding_idx", nn.EmbeddingBag's
+    "padding_idx")."""
     if padding_idx is not None:
         if padding_idx > 0:
-            assert padding_idx < num_embeddings, "Padding_idx must be within num_embeddings"
+            assert padding_idx < num_embeddings, f"{word} must be within num_embeddings"
         elif padding_idx < 0:
-            assert padding_idx >= -num_embeddings, "Padding_idx must be within num_embeddings"
+            assert padding_idx >= -num_embeddings, f"{word} must be within num_embeddings"
             padding_idx = num_embeddings + padding_idx
     return padding_idx
 

@@ -42,7 +42,7 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
         # nn.Module's, not nn.EmbeddingBag's: that one would allocate a table.
         nn.Module.__init__(self)
         _bags.check_options(mode, scale_grad_by_freq)
-        self.padding_idx = padding_index(padding_idx, num_embeddings)
+        self.padding_idx = padding_index(padding_idx, num_embeddings, "padding_idx")
         self.max_norm = max_norm
         self.norm_type = norm_type
         self.scale_grad_by_freq = scale_grad_by_freq
