@@ -20,7 +20,11 @@ order rotated each round, and freed before the next group:
     hostembed's RowWiseAdagrad, the same formula.
 A step is forward -> backward(a fixed gradient, in the output's dtype) -> step()
 -> zero_grad().
-State bytes are the optimizer state's tensors as allocated. The host copy
+State bytes are the optimizer state's tensors as allocated; "peak RSS
+added" is the process's peak resident memory over building the contender
+and its warm-up steps, less what was resident before (host-table state is
+backed as rows are first written, so it shows what the warm-up touched).
+The host copy
 bandwidth is measured in the same run, and each hostembed contender's
 traffic (a model: the gather reads and writes each looked-up row, the
 update reads and writes each updated row and its state and reads its
@@ -37,8 +41,8 @@ import time
 
 import torch
 
-from _common import (RESULTS_DIR, OtherLoad, copy_bandwidth, fail, fmt_ms, log, machine_info, require_hostembed,
-                     summarize_ms, usable_cpus, write_json, zipf_batches)
+from _common import (RESULTS_DIR, OtherLoad, PeakRss, copy_bandwidth, fail, fmt_ms, log, machine_info,
+                     require_hostembed, summarize_ms, usable_cpus, write_json, zipf_batches)
 
 hostembed = require_hostembed()
 
@@ -255,14 +259,21 @@ def run_group(args, name, spec, batches):
     inputs = [ids.view(shape) for ids in batches]
     grad_out = torch.randn(shape[0], args.dim, generator=torch.Generator().manual_seed(args.seed + 1))
     grad_out = {dtype: grad_out.to(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
-    built = {}
+    built, rss = {}, {}
+    warm, timed = inputs[:args.warmup], inputs[args.warmup:args.warmup + args.steps]
+    peak = PeakRss()
     for contender, make in makes.items():
+        # Each contender is built and warmed up on its own, so that the peak
+        # RSS it adds (table, state as the warm-up backs it, temporaries) is
+        # its own.
+        peak.start()
+        before = peak.window()
         torch.manual_seed(args.seed)
         built[contender] = make(args)
-    warm, timed = inputs[:args.warmup], inputs[args.warmup:args.warmup + args.steps]
-    for ids in warm:
-        for module, opt in built.values():
-            step(module, opt, ids, grad_out)
+        for ids in warm:
+            step(*built[contender], ids, grad_out)
+        top = peak.window()
+        rss[contender] = None if top is None else top - before
     if checked is not None:
         ours, theirs = built[checked][0].weight.detach().float(), built[against][0].weight.detach().float()
         if not torch.allclose(ours, theirs, rtol=rtol, atol=atol):
@@ -279,6 +290,7 @@ def run_group(args, name, spec, batches):
         contenders[n] = summarize_ms(seconds[n])
         contenders[n]["state_bytes"] = state_bytes(built[n][1])
         contenders[n]["table_bytes"] = table_bytes(built[n][0])
+        contenders[n]["peak_rss_bytes"] = rss[n]
     del built
     gc.collect()
     return {"contenders": contenders, "checked": checked, "reference": twin,
@@ -304,8 +316,8 @@ def print_report(args, report):
           f"({report['unique_mean']:,.0f} unique on average), {args.threads} threads; bags of {args.bag}; median "
           f"of {args.steps} interleaved rounds; host copy bandwidth {copy_bps / 1e9:.1f} GB/s\n")
     print("| group | contender | ms/step | vs reference | vs hostembed SparseAdam | of copy bandwidth | table | "
-          "state |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+          "state | peak RSS added |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for group, result in report["groups"].items():
         contenders = result["contenders"]
         reference_ms = contenders[result["reference"]]["median_ms"] if result["reference"] else None
@@ -317,8 +329,9 @@ def print_report(args, report):
                             and n.split("(")[0] == result["checked"] else "")
             vs_yard = f"{yard / ms:.2f}x" if yard and ours and n != YARDSTICK else ""
             share = f"{r['traffic_bytes'] / (ms / 1e3) / copy_bps:.0%}" if ours else ""
+            rss = "" if r["peak_rss_bytes"] is None else f"{r['peak_rss_bytes'] / 2**20:.0f} MiB"
             print(f"| {group} | {n} | {fmt_ms(ms)} | {vs_reference} | {vs_yard} | {share} | "
-                  f"{r['table_bytes'] / 2**20:.0f} MiB | {r['state_bytes'] / 2**20:.1f} MiB |")
+                  f"{r['table_bytes'] / 2**20:.0f} MiB | {r['state_bytes'] / 2**20:.1f} MiB | {rss} |")
     others = [r["cpu_fraction_used_by_others"] for r in report["groups"].values()]
     known = [o for o in others if o is not None]
     print(f"\nOther processes took {max(known):.0%} of the CPUs at most during a group" if known else
