@@ -18,7 +18,20 @@ int he_table_overlap(const he_table *a, const he_table *b)
     if (la == 0 || lb == 0)
         return 0;
     uintptr_t a0 = (uintptr_t)a->data, b0 = (uintptr_t)b->data;
-    return a0 < b0 + lb && b0 < a0 + la;
+    if (!(a0 < b0 + lb && b0 < a0 + la))
+        return 0;
+    /* Interleaved tables (a cache record holds a row and its optimizer
+     * state: one stride, each table its own columns) share a span but no
+     * element: with the same record size, b's columns fall in one place
+     * of each of a's records, after a's row and before the next record. */
+    size_t record = (size_t)a->row_stride * he_table_elem(a);
+    if (record == 0 || record != (size_t)b->row_stride * he_table_elem(b))
+        return 1;
+    uintptr_t lo = a0 < b0 ? a0 : b0, hi = a0 < b0 ? b0 : a0;
+    const he_table *first = a0 < b0 ? a : b, *second = a0 < b0 ? b : a;
+    size_t offset = (size_t)(hi - lo) % record;
+    return !(offset >= (size_t)first->dim * he_table_elem(first) &&
+             offset + (size_t)second->dim * he_table_elem(second) <= record);
 }
 
 he_status he_table_check(const he_table *t, const char *what)

@@ -43,8 +43,10 @@ static inline he_table he_table_contiguous(float *data, size_t nbytes, int64_t n
  * "exp_avg", ...), the shape and the size. */
 he_status he_table_check(const he_table *t, const char *what);
 
-/* 1 when the bytes the two (checked) tables span overlap: from data to the
- * end of the last row. Empty tables overlap nothing. */
+/* 1 when the two (checked) tables may share an element: their spans (from
+ * data to the end of the last row) overlap, unless they interleave, each
+ * in its own columns of records of one size (a cache record's row and
+ * optimizer state). Empty tables overlap nothing. */
 int he_table_overlap(const he_table *a, const he_table *b);
 
 static inline size_t he_table_elem(const he_table *t)

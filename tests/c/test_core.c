@@ -39,6 +39,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cache_plan.h"
 #include "convert.h"
 #include "dedup.h"
 #include "gather.h"
@@ -2482,6 +2483,250 @@ static void test_gather_dtypes(void)
 
 /* ------------------------------------------------------------------------ */
 
+/* The cache planner's decisions on small cases: free slots first, hits
+ * protected, CLOCK's second chance, look-ahead protection and bypass, the
+ * fetch of a row the last batch updated in host memory flagged, bad
+ * batches refused with nothing changed. */
+static void test_cache_plan(void)
+{
+    group_begin();
+    he_cache *c = NULL;
+    he_cache_plan plan;
+    CHECK_ST(he_cache_plan_init(&plan, 8), HE_OK);
+    CHECK_ST(he_cache_new(10, 4, 1, &c), HE_OK);
+    int64_t a[] = {1, 2, 3};
+    CHECK_ST(he_cache_plan_batch(c, a, 3, &plan), HE_OK);
+    CHECK(plan.num_fetch == 3 && plan.num_evict == 0);
+    CHECK(plan.slot[0] == 0 && plan.slot[1] == 1 && plan.slot[2] == 2);
+    CHECK(he_cache_slot_of(c, 2) == 1 && he_cache_row_of(c, 2) == 3 && he_cache_slot_of(c, 4) == -1);
+    int64_t b[] = {2, 3, 4, 5};
+    CHECK_ST(he_cache_plan_batch(c, b, 4, &plan), HE_OK);
+    /* 2, 3 hit; 4 takes the free slot; 5 evicts 1 (the one row not in this batch). */
+    CHECK(plan.slot[0] == 1 && plan.slot[1] == 2 && plan.slot[2] == 3 && plan.slot[3] == 0);
+    CHECK(plan.num_fetch == 2 && plan.fetch_row[0] == 4 && plan.fetch_row[1] == 5 && plan.fetch_slot[1] == 0);
+    CHECK(plan.num_evict == 1 && plan.evict_slot[0] == 0 && plan.evict_row[0] == 1);
+    CHECK(he_cache_slot_of(c, 1) == -1 && he_cache_slot_of(c, 5) == 0);
+    he_cache_stats st = he_cache_get_stats(c);
+    CHECK(st.batches == 2 && st.rows == 7 && st.hits == 2 && st.fetches == 5 && st.evictions == 1 && st.bypassed == 0);
+    /* Refused, nothing changed: out of range, not ascending, too many. */
+    int64_t bad_range[] = {3, 10}, bad_order[] = {3, 3}, many[9] = {0, 1, 2, 3, 4, 5, 6, 7, 8};
+    CHECK_ST(he_cache_plan_batch(c, bad_range, 2, &plan), HE_ERR_INDEX);
+    CHECK_MSG("row 10 at 1 is not in [0, 10)");
+    CHECK_ST(he_cache_plan_batch(c, bad_order, 2, &plan), HE_ERR_VALUE);
+    CHECK_MSG("ascending and distinct");
+    CHECK_ST(he_cache_plan_batch(c, many, 9, &plan), HE_ERR_VALUE);
+    he_cache_stats after = he_cache_get_stats(c);
+    CHECK(memcmp(&st, &after, sizeof st) == 0 && he_cache_slot_of(c, 5) == 0 && he_cache_slot_of(c, 3) == 2);
+    he_cache_free(c);
+    CHECK_ST(he_cache_new(10, 0, 1, &c), HE_ERR_VALUE);
+    CHECK(c == NULL);
+    CHECK_ST(he_cache_new(10, 4, 3, &c), HE_ERR_VALUE);
+
+    /* Planned a step ahead (protect 2): the last batch's slots are in use. */
+    CHECK_ST(he_cache_new(10, 4, 2, &c), HE_OK);
+    int64_t first[] = {1, 2, 3, 4}, second[] = {5}, third[] = {5, 6};
+    CHECK_ST(he_cache_plan_batch(c, first, 4, &plan), HE_OK);
+    CHECK_ST(he_cache_plan_batch(c, second, 1, &plan), HE_OK);
+    CHECK(plan.slot[0] == -1 && plan.num_fetch == 0 && plan.num_evict == 0); /* bypassed */
+    CHECK_ST(he_cache_plan_batch(c, third, 2, &plan), HE_OK);
+    CHECK(plan.num_fetch == 2 && plan.num_evict == 2);
+    /* 5 was updated in host memory by the last batch: its fetch waits. */
+    CHECK(plan.fetch_row[0] == 5 && plan.fetch_after_update[0] == 1);
+    CHECK(plan.fetch_row[1] == 6 && plan.fetch_after_update[1] == 0);
+    st = he_cache_get_stats(c);
+    CHECK(st.bypassed == 1 && st.evictions == 2);
+    he_cache_free(c);
+    he_cache_plan_free(&plan);
+    group_end("cache_plan");
+}
+
+/* Training through a small cache (rows and optimizer state in records of
+ * a CPU buffer standing in for HBM) gives the bits of training without one:
+ * 100 skewed batches with many evictions and bypassed rows, every
+ * optimizer, planned after each step (protect 1) or a step ahead (protect
+ * 2, the moves that may run early done before the last step's update, as
+ * a GPU would overlap them). Each batch's rows are read back and compared
+ * first: never stale. */
+static void copy_record_row(const he_table *dst, int64_t dst_row, const he_table *src, int64_t src_row)
+{
+    memcpy(he_table_row(dst, dst_row), he_table_row(src, src_row), (size_t)dst->dim * he_table_elem(dst));
+}
+
+typedef struct cached_tables {
+    he_table host[1 + HE_OPTIM_MAX_STATE]; /* weight, state... */
+    he_table record[1 + HE_OPTIM_MAX_STATE];
+    int n;
+} cached_tables;
+
+static void move_records(const cached_tables *t, const he_cache_plan *p, int evictions, int early, int late)
+{
+    for (int i = 0; i < t->n; i++) {
+        if (evictions)
+            for (int64_t e = 0; e < p->num_evict; e++)
+                copy_record_row(&t->host[i], p->evict_row[e], &t->record[i], p->evict_slot[e]);
+        for (int64_t f = 0; f < p->num_fetch; f++)
+            if (p->fetch_after_update[f] ? late : early)
+                copy_record_row(&t->record[i], p->fetch_slot[f], &t->host[i], p->fetch_row[f]);
+    }
+}
+
+static void test_cache_trains_bit_identically(void)
+{
+    group_begin();
+    const int64_t rows = 3000, count = 300, steps = 100, capacity = 96;
+    const int64_t dims[] = {8, 40};
+    for (int kind = 0; kind < HE_OPTIM_KINDS; kind++) {
+        const he_optim_rule *rule = he_optim_rule_of(kind);
+        for (int protect = 1; protect <= 2; protect++) {
+            for (size_t di = 0; di < 2; di++) {
+                int64_t dim = dims[di];
+                /* [0]: the uncached reference; [1]: the cached table's host copy. */
+                float *w[2], *s[2][2];
+                int64_t widths[2];
+                int64_t record_elems = dim;
+                for (int i = 0; i < rule->num_state; i++) {
+                    widths[i] = rule->per_row[i] ? 1 : dim;
+                    record_elems += widths[i];
+                }
+                g_rng = 99 + (uint64_t)kind * 7 + (uint64_t)protect * 3 + di;
+                for (int c = 0; c < 2; c++) {
+                    w[c] = xmalloc((size_t)(rows * dim) * sizeof(float));
+                    for (int i = 0; i < 2; i++)
+                        s[c][i] = calloc((size_t)(rows * (i < rule->num_state ? widths[i] : 1)), sizeof(float));
+                }
+                fill_uniform(w[0], rows * dim, -1.0, 1.0);
+                memcpy(w[1], w[0], (size_t)(rows * dim) * sizeof(float));
+                float *records = calloc((size_t)(capacity * record_elems), sizeof(float));
+                size_t record_bytes = (size_t)(capacity * record_elems) * sizeof(float);
+                he_table ref_w = he_table_contiguous(w[0], (size_t)(rows * dim) * sizeof(float), rows, dim);
+                he_table ref_s[2];
+                cached_tables t = {.n = 1 + rule->num_state};
+                t.host[0] = he_table_contiguous(w[1], (size_t)(rows * dim) * sizeof(float), rows, dim);
+                t.record[0] = he_table_contiguous(records, record_bytes, capacity, dim);
+                t.record[0].row_stride = record_elems;
+                int64_t at = dim;
+                for (int i = 0; i < rule->num_state; i++) {
+                    size_t bytes = (size_t)(rows * widths[i]) * sizeof(float);
+                    ref_s[i] = he_table_contiguous(s[0][i], bytes, rows, widths[i]);
+                    t.host[1 + i] = he_table_contiguous(s[1][i], bytes, rows, widths[i]);
+                    t.record[1 + i] = he_table_contiguous(records + at, record_bytes - (size_t)at * sizeof(float),
+                                                          capacity, widths[i]);
+                    t.record[1 + i].row_stride = record_elems;
+                    at += widths[i];
+                }
+                he_cache *cache = NULL;
+                CHECK_ST(he_cache_new(rows, capacity, protect, &cache), HE_OK);
+                he_cache_plan plan[2];
+                CHECK_ST(he_cache_plan_init(&plan[0], count), HE_OK);
+                CHECK_ST(he_cache_plan_init(&plan[1], count), HE_OK);
+                int64_t *ids[2] = {xmalloc((size_t)count * sizeof(int64_t)), xmalloc((size_t)count * sizeof(int64_t))};
+                he_dedup *d[2] = {NULL, NULL};
+                float *grad = xmalloc((size_t)(count * dim) * sizeof(float));
+                float *values = xmalloc((size_t)(count * dim) * sizeof(float));
+                float *split_values[2] = {xmalloc((size_t)(count * dim) * sizeof(float)),
+                                          xmalloc((size_t)(count * dim) * sizeof(float))};
+                int64_t *indices = xmalloc((size_t)count * sizeof(int64_t));
+                int64_t *split_index[2] = {xmalloc((size_t)count * sizeof(int64_t)),
+                                           xmalloc((size_t)count * sizeof(int64_t))};
+                int mismatched_reads = 0;
+                /* Batch b's ids (skewed: a few hot rows, a long cold tail), its
+                 * Dedup and its plan; with protect 2 the plan of b + 1 and its
+                 * early moves come before b's update. */
+                for (int64_t b = 0; b <= steps; b++) {
+                    int cur = (int)(b % 2), nxt = 1 - cur;
+                    if (b < steps) {
+                        for (int64_t i = 0; i < count; i++) {
+                            double u = rng_uniform(0.0, 1.0);
+                            ids[nxt][i] = (int64_t)((double)rows * u * u * u * u);
+                        }
+                        he_ids view = {ids[nxt], count, 1};
+                        he_dedup_free(d[nxt]);
+                        d[nxt] = NULL;
+                        CHECK_ST(he_dedup_build(&view, rows, &d[nxt]), HE_OK);
+                        CHECK_ST(he_cache_plan_batch(cache, d[nxt]->unique, d[nxt]->num_unique, &plan[nxt]), HE_OK);
+                        /* Planned a step ahead, evictions and the fetches not
+                         * waiting on the last update run before it; planned after
+                         * it, all of them (the last step is then complete). */
+                        if (protect == 2 || b == 0)
+                            move_records(&t, &plan[nxt], 1, 1, b == 0);
+                    }
+                    if (b == 0)
+                        continue;
+                    /* Step b - 1 runs on the batch in [cur]. */
+                    const he_dedup *dd = d[cur];
+                    const he_cache_plan *p = &plan[cur];
+                    for (int64_t k = 0; k < dd->num_unique; k++) {
+                        const he_table *where = p->slot[k] >= 0 ? &t.record[0] : &t.host[0];
+                        int64_t r = p->slot[k] >= 0 ? p->slot[k] : dd->unique[k];
+                        mismatched_reads += memcmp(he_table_row(where, r), he_table_row(&ref_w, dd->unique[k]),
+                                                   (size_t)dim * sizeof(float)) != 0;
+                    }
+                    fill_uniform(grad, count * dim, -1.0, 1.0);
+                    he_reduce_opts opts = {-1, 0};
+                    int64_t nnz = 0;
+                    CHECK_ST(he_grad_reduce(dd, grad, dim, &opts, values, indices, &nnz), HE_OK);
+                    he_optim_params hp = {.kind = kind, .lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-6,
+                                          .lr_decay = 0.01, .step = b, .weight_decay = kind == 0 ? 0.1 : 0.0};
+                    CHECK_ST(he_sparse_update(&hp, &ref_w, ref_s, rule->num_state, indices, values, HE_F32, nnz),
+                             HE_OK);
+                    /* The cached table: rows in slots update their records, the
+                     * bypassed ones the host rows. */
+                    int64_t n[2] = {0, 0};
+                    for (int64_t k = 0; k < nnz; k++) {
+                        int side = p->slot[k] >= 0;
+                        split_index[side][n[side]] = side ? p->slot[k] : indices[k];
+                        memcpy(split_values[side] + n[side] * dim, values + k * dim, (size_t)dim * sizeof(float));
+                        n[side]++;
+                    }
+                    CHECK_ST(he_sparse_update(&hp, &t.record[0], &t.record[1], rule->num_state, split_index[1],
+                                              split_values[1], HE_F32, n[1]),
+                             HE_OK);
+                    CHECK_ST(he_sparse_update(&hp, &t.host[0], &t.host[1], rule->num_state, split_index[0],
+                                              split_values[0], HE_F32, n[0]),
+                             HE_OK);
+                    if (b < steps)
+                        move_records(&t, &plan[nxt], protect == 1, protect == 1, 1);
+                }
+                /* Flush: every cached record back to its row. */
+                for (int32_t slot = 0; slot < capacity; slot++) {
+                    int64_t r = he_cache_row_of(cache, slot);
+                    if (r >= 0)
+                        for (int i = 0; i < t.n; i++)
+                            copy_record_row(&t.host[i], r, &t.record[i], slot);
+                }
+                he_cache_stats st = he_cache_get_stats(cache);
+                CHECKF(mismatched_reads == 0, "%s protect %d dim %" PRId64 ": %d stale rows read", rule->name, protect,
+                       dim, mismatched_reads);
+                CHECKF(memcmp(w[0], w[1], (size_t)(rows * dim) * sizeof(float)) == 0,
+                       "%s protect %d dim %" PRId64 ": cached weights differ", rule->name, protect, dim);
+                for (int i = 0; i < rule->num_state; i++)
+                    CHECKF(memcmp(s[0][i], s[1][i], (size_t)(rows * widths[i]) * sizeof(float)) == 0,
+                           "%s protect %d: cached %s differs", rule->name, protect, rule->state_names[i]);
+                CHECKF(st.hits > 0 && st.evictions > 0 && st.bypassed > 0 && st.batches == steps,
+                       "the run must hit, evict and bypass: %" PRId64 " %" PRId64 " %" PRId64, st.hits, st.evictions,
+                       st.bypassed);
+                he_cache_free(cache);
+                he_cache_plan_free(&plan[0]);
+                he_cache_plan_free(&plan[1]);
+                for (int c = 0; c < 2; c++) {
+                    free(w[c]);
+                    free(s[c][0]);
+                    free(s[c][1]);
+                    free(ids[c]);
+                    he_dedup_free(d[c]);
+                    free(split_values[c]);
+                    free(split_index[c]);
+                }
+                free(records);
+                free(grad);
+                free(values);
+                free(indices);
+            }
+        }
+    }
+    group_end("cache_trains");
+}
+
 int main(void)
 {
     test_status();
@@ -2503,6 +2748,8 @@ int main(void)
     test_convert();
     test_gather_dtypes();
     test_sparse_update_dtypes();
+    test_cache_plan();
+    test_cache_trains_bit_identically();
     /* Joins the workers so that a leak check at exit sees a quiet process. */
     he_set_num_threads(1);
     printf("%d passed, %d failed\n", g_passed, g_failed);

@@ -1,0 +1,225 @@
+#include "cache_plan.h"
+
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct he_cache {
+    int64_t num_rows;
+    int64_t capacity;
+    int protect;
+    /* slot + 1, 0 when not cached: calloc'd, so the rows never cached
+     * cost no memory (4 bytes a row at most). */
+    uint32_t *slot_plus1;
+    int64_t *row_of;     /* [capacity]; -1: empty */
+    int64_t *used_at;    /* [capacity]: the last batch that used the slot */
+    uint8_t *referenced; /* [capacity]: CLOCK's second chance */
+    int64_t hand;
+    int64_t batch;       /* batches planned */
+    /* The last batch's bypassed rows, ascending: a fetch of one of them
+     * must see that batch's update (fetch_after_update). The batch being
+     * planned lists its own in next_bypass; the two swap after. */
+    int64_t *bypass, *next_bypass;
+    int64_t num_bypass;
+    int64_t bypass_room;
+    he_cache_stats stats;
+};
+
+he_status he_cache_new(int64_t num_rows, int64_t capacity, int protect, he_cache **out)
+{
+    *out = NULL;
+    if (num_rows < 0 || capacity < 1 || capacity > INT32_MAX - 1 || (protect != 1 && protect != 2))
+        return he_fail(HE_ERR_VALUE,
+                       "a cache needs num_rows >= 0, 1 <= capacity < 2^31 - 1 and protect 1 or 2, got %" PRId64
+                       ", %" PRId64 " and %d",
+                       num_rows, capacity, protect);
+    he_cache *c = calloc(1, sizeof *c);
+    if (!c)
+        return he_fail(HE_ERR_NOMEM, "could not allocate a cache");
+    c->num_rows = num_rows;
+    c->capacity = capacity;
+    c->protect = protect;
+    c->slot_plus1 = calloc((size_t)(num_rows > 0 ? num_rows : 1), sizeof *c->slot_plus1);
+    c->row_of = malloc((size_t)capacity * sizeof *c->row_of);
+    c->used_at = malloc((size_t)capacity * sizeof *c->used_at);
+    c->referenced = calloc((size_t)capacity, 1);
+    if (!c->slot_plus1 || !c->row_of || !c->used_at || !c->referenced) {
+        he_cache_free(c);
+        return he_fail(HE_ERR_NOMEM, "could not allocate a cache of %" PRId64 " slots for %" PRId64 " rows",
+                       capacity, num_rows);
+    }
+    for (int64_t s = 0; s < capacity; s++) {
+        c->row_of[s] = -1;
+        c->used_at[s] = -1;
+    }
+    *out = c;
+    return HE_OK;
+}
+
+void he_cache_free(he_cache *c)
+{
+    if (!c)
+        return;
+    free(c->slot_plus1);
+    free(c->row_of);
+    free(c->used_at);
+    free(c->referenced);
+    free(c->bypass);
+    free(c->next_bypass);
+    free(c);
+}
+
+he_status he_cache_plan_init(he_cache_plan *plan, int64_t max_unique)
+{
+    memset(plan, 0, sizeof *plan);
+    if (max_unique < 0)
+        return he_fail(HE_ERR_VALUE, "a plan needs max_unique >= 0, got %" PRId64, max_unique);
+    size_t n = (size_t)(max_unique > 0 ? max_unique : 1);
+    plan->max_unique = max_unique;
+    plan->slot = malloc(n * sizeof *plan->slot);
+    plan->fetch_row = malloc(n * sizeof *plan->fetch_row);
+    plan->fetch_slot = malloc(n * sizeof *plan->fetch_slot);
+    plan->fetch_after_update = malloc(n);
+    plan->evict_slot = malloc(n * sizeof *plan->evict_slot);
+    plan->evict_row = malloc(n * sizeof *plan->evict_row);
+    if (!plan->slot || !plan->fetch_row || !plan->fetch_slot || !plan->fetch_after_update || !plan->evict_slot ||
+        !plan->evict_row) {
+        he_cache_plan_free(plan);
+        return he_fail(HE_ERR_NOMEM, "could not allocate a cache plan for %" PRId64 " rows", max_unique);
+    }
+    return HE_OK;
+}
+
+void he_cache_plan_free(he_cache_plan *plan)
+{
+    free(plan->slot);
+    free(plan->fetch_row);
+    free(plan->fetch_slot);
+    free(plan->fetch_after_update);
+    free(plan->evict_slot);
+    free(plan->evict_row);
+    memset(plan, 0, sizeof *plan);
+}
+
+/* The next slot the CLOCK hand gives up (evicting its row: *evicted, else
+ * -1), or -1 once the batch's sweep budget is spent: every slot was then
+ * protected or had its second chance taken twice over. */
+static int64_t take_slot(he_cache *c, int64_t *budget, int64_t *evicted)
+{
+    while (*budget > 0) {
+        (*budget)--;
+        int64_t s = c->hand;
+        c->hand = s + 1 == c->capacity ? 0 : s + 1;
+        if (c->row_of[s] < 0) {
+            *evicted = -1;
+            return s;
+        }
+        if (c->used_at[s] > c->batch - c->protect)
+            continue; /* in use by a batch in flight, or by this one */
+        if (c->referenced[s]) {
+            c->referenced[s] = 0;
+            continue;
+        }
+        *evicted = c->row_of[s];
+        return s;
+    }
+    return -1;
+}
+
+he_status he_cache_plan_batch(he_cache *c, const int64_t *unique, int64_t num_unique, he_cache_plan *plan)
+{
+    if (num_unique < 0 || num_unique > plan->max_unique)
+        return he_fail(HE_ERR_VALUE, "a plan sized for %" PRId64 " rows cannot take a batch of %" PRId64,
+                       plan->max_unique, num_unique);
+    for (int64_t k = 0; k < num_unique; k++) {
+        if ((uint64_t)unique[k] >= (uint64_t)c->num_rows)
+            return he_fail(HE_ERR_INDEX, "row %" PRId64 " at %" PRId64 " is not in [0, %" PRId64 ")", unique[k], k,
+                           c->num_rows);
+        if (k > 0 && unique[k] <= unique[k - 1])
+            return he_fail(HE_ERR_VALUE, "a batch's rows must be ascending and distinct, got %" PRId64
+                           " after %" PRId64 " at %" PRId64, unique[k], unique[k - 1], k);
+    }
+    if (num_unique > c->bypass_room) { /* room for this batch's bypassed rows, before anything changes */
+        int64_t *next = realloc(c->next_bypass, (size_t)num_unique * sizeof *next);
+        if (next)
+            c->next_bypass = next;
+        int64_t *last = next ? realloc(c->bypass, (size_t)num_unique * sizeof *last) : NULL;
+        if (!last)
+            return he_fail(HE_ERR_NOMEM, "could not allocate a cache plan's lists of %" PRId64 " rows", num_unique);
+        c->bypass = last;
+        c->bypass_room = num_unique;
+    }
+    int64_t batch = ++c->batch;
+    /* Hits first: they are protected before any miss looks for a slot. */
+    int64_t hits = 0;
+    for (int64_t k = 0; k < num_unique; k++) {
+        uint32_t s1 = c->slot_plus1[unique[k]];
+        plan->slot[k] = (int32_t)s1 - 1;
+        if (s1) {
+            c->used_at[s1 - 1] = batch;
+            c->referenced[s1 - 1] = 1;
+            hits++;
+        }
+    }
+    /* Then misses, ascending: each takes the next slot the hand gives up. */
+    int64_t budget = 3 * c->capacity, prev = 0, num_bypass = 0;
+    plan->num_fetch = plan->num_evict = 0;
+    for (int64_t k = 0; k < num_unique; k++) {
+        if (plan->slot[k] >= 0)
+            continue;
+        int64_t row = unique[k], evicted = -1;
+        int64_t s = take_slot(c, &budget, &evicted);
+        if (s < 0) {
+            c->next_bypass[num_bypass++] = row;
+            continue;
+        }
+        if (evicted >= 0) {
+            c->slot_plus1[evicted] = 0;
+            plan->evict_slot[plan->num_evict] = (int32_t)s;
+            plan->evict_row[plan->num_evict++] = evicted;
+        }
+        c->slot_plus1[row] = (uint32_t)s + 1;
+        c->row_of[s] = row;
+        c->used_at[s] = batch;
+        c->referenced[s] = 1;
+        plan->slot[k] = (int32_t)s;
+        /* Both lists ascend: one merge pass finds the rows bypassed last time. */
+        while (prev < c->num_bypass && c->bypass[prev] < row)
+            prev++;
+        plan->fetch_row[plan->num_fetch] = row;
+        plan->fetch_slot[plan->num_fetch] = (int32_t)s;
+        plan->fetch_after_update[plan->num_fetch++] = prev < c->num_bypass && c->bypass[prev] == row;
+    }
+    int64_t *last = c->bypass;
+    c->bypass = c->next_bypass;
+    c->next_bypass = last;
+    c->num_bypass = num_bypass;
+    plan->num_unique = num_unique;
+    c->stats.batches++;
+    c->stats.rows += num_unique;
+    c->stats.hits += hits;
+    c->stats.fetches += plan->num_fetch;
+    c->stats.evictions += plan->num_evict;
+    c->stats.bypassed += num_bypass;
+    return HE_OK;
+}
+
+int32_t he_cache_slot_of(const he_cache *c, int64_t row)
+{
+    return row >= 0 && row < c->num_rows ? (int32_t)c->slot_plus1[row] - 1 : -1;
+}
+
+int64_t he_cache_row_of(const he_cache *c, int32_t slot)
+{
+    return slot >= 0 && slot < c->capacity ? c->row_of[slot] : -1;
+}
+
+int64_t he_cache_capacity(const he_cache *c)
+{
+    return c->capacity;
+}
+
+he_cache_stats he_cache_get_stats(const he_cache *c)
+{
+    return c->stats;
+}
