@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "thread_pool.h"
+
 struct he_cache {
     int64_t num_rows;
     int64_t capacity;
@@ -101,6 +103,8 @@ void he_cache_plan_free(he_cache_plan *plan)
     memset(plan, 0, sizeof *plan);
 }
 
+enum { AHEAD_ENTRY = 16, AHEAD_SLOT = 8 }; /* prefetch distances, in rows and slots */
+
 /* The next slot the CLOCK hand gives up (evicting its row: *evicted, else
  * -1), or -1 once the batch's sweep budget is spent: every slot was then
  * protected or had its second chance taken twice over. */
@@ -110,6 +114,11 @@ static int64_t take_slot(he_cache *c, int64_t *budget, int64_t *evicted)
         (*budget)--;
         int64_t s = c->hand;
         c->hand = s + 1 == c->capacity ? 0 : s + 1;
+        /* An evicted row's entry is written at random: ask for the entry
+         * of the row a few slots on. */
+        int64_t ahead = (s + AHEAD_SLOT) % c->capacity;
+        if (c->row_of[ahead] >= 0)
+            __builtin_prefetch(&c->slot_plus1[c->row_of[ahead]], 1);
         if (c->row_of[s] < 0) {
             *evicted = -1;
             return s;
@@ -124,6 +133,40 @@ static int64_t take_slot(he_cache *c, int64_t *budget, int64_t *evicted)
         return s;
     }
     return -1;
+}
+
+/* The hits pass: each row's slot, and its slot stamped as in use. Rows are
+ * distinct, so are their slots: threads never write one slot. slot_of and
+ * the slots are far bigger than the CPU's caches and read at random; two
+ * prefetch stages (the row's entry, then its slot's) overlap the waits. */
+typedef struct hits_job {
+    he_cache *c;
+    const int64_t *unique;
+    int32_t *slot;
+} hits_job;
+
+static void hits_range(void *ctx, int64_t begin, int64_t end)
+{
+    const hits_job *job = ctx;
+    he_cache *c = job->c;
+    const int64_t *unique = job->unique;
+    for (int64_t k = begin; k < end; k++) {
+        if (k + AHEAD_ENTRY < end)
+            __builtin_prefetch(&c->slot_plus1[unique[k + AHEAD_ENTRY]], 0);
+        if (k + AHEAD_SLOT < end) {
+            uint32_t ahead = c->slot_plus1[unique[k + AHEAD_SLOT]];
+            if (ahead) {
+                __builtin_prefetch(&c->used_at[ahead - 1], 1);
+                __builtin_prefetch(&c->referenced[ahead - 1], 1);
+            }
+        }
+        uint32_t s1 = c->slot_plus1[unique[k]];
+        job->slot[k] = (int32_t)s1 - 1;
+        if (s1) {
+            c->used_at[s1 - 1] = c->batch;
+            c->referenced[s1 - 1] = 1;
+        }
+    }
 }
 
 he_status he_cache_plan_batch(he_cache *c, const int64_t *unique, int64_t num_unique, he_cache_plan *plan)
@@ -151,22 +194,20 @@ he_status he_cache_plan_batch(he_cache *c, const int64_t *unique, int64_t num_un
     }
     int64_t batch = ++c->batch;
     /* Hits first: they are protected before any miss looks for a slot. */
-    int64_t hits = 0;
-    for (int64_t k = 0; k < num_unique; k++) {
-        uint32_t s1 = c->slot_plus1[unique[k]];
-        plan->slot[k] = (int32_t)s1 - 1;
-        if (s1) {
-            c->used_at[s1 - 1] = batch;
-            c->referenced[s1 - 1] = 1;
-            hits++;
-        }
-    }
+    hits_job job = {c, unique, plan->slot};
+    he_status st = he_parallel_for(num_unique, 4096, hits_range, &job);
+    if (st != HE_OK)
+        return st;
     /* Then misses, ascending: each takes the next slot the hand gives up. */
-    int64_t budget = 3 * c->capacity, prev = 0, num_bypass = 0;
+    int64_t budget = 3 * c->capacity, prev = 0, num_bypass = 0, hits = 0;
     plan->num_fetch = plan->num_evict = 0;
     for (int64_t k = 0; k < num_unique; k++) {
-        if (plan->slot[k] >= 0)
+        if (k + AHEAD_ENTRY < num_unique)
+            __builtin_prefetch(&c->slot_plus1[unique[k + AHEAD_ENTRY]], 1);
+        if (plan->slot[k] >= 0) {
+            hits++;
             continue;
+        }
         int64_t row = unique[k], evicted = -1;
         int64_t s = take_slot(c, &budget, &evicted);
         if (s < 0) {

@@ -1,0 +1,94 @@
+"""The row cache's planner through its binding, against a model of what
+the cache holds: every plan, applied to the model, must put each of the
+batch's rows where it says, never evict a row in use, and flag exactly the
+fetches of rows the last batch updated in host memory. (The C tests train
+through a cache of CPU records and compare bits with no cache.)"""
+import json
+import pathlib
+
+import pytest
+import torch
+
+from hostembed._cache import CachePlanner
+
+
+def _skewed_batch(gen, rows, count):
+    u = torch.rand(count, generator=gen, dtype=torch.float64)
+    return torch.unique((rows * u ** 4).long())
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+@pytest.mark.parametrize("capacity", [1, 40, 400, 5000])
+def test_plans_keep_the_cache_model_consistent(lookahead, capacity):
+    rows, gen = 3000, torch.Generator().manual_seed(capacity + lookahead)
+    planner = CachePlanner(rows, capacity, lookahead=lookahead)
+    held = {}  # slot -> row
+    previous, previous_bypassed = set(), set()
+    totals = dict(rows=0, hits=0, fetches=0, evictions=0, bypassed=0)
+    for _ in range(60):
+        unique = _skewed_batch(gen, rows, 250)
+        batch = set(unique.tolist())
+        cached_before = set(held.values())
+        plan = planner.plan(unique)
+        evicted = plan.evict_row.tolist()
+        for slot, row in zip(plan.evict_slot.tolist(), evicted):
+            assert held.pop(slot) == row
+        # Never a row of this batch, nor (planned a step ahead) of the last.
+        assert not set(evicted) & batch
+        if lookahead:
+            assert not set(evicted) & previous
+        fetched = plan.fetch_row.tolist()
+        assert fetched == sorted(fetched) and not set(fetched) & cached_before
+        for slot, row in zip(plan.fetch_slot.tolist(), fetched):
+            assert slot not in held
+            held[slot] = row
+        assert plan.fetch_after_update.tolist() == [row in previous_bypassed for row in fetched]
+        bypassed = set()
+        for row, slot in zip(unique.tolist(), plan.slot.tolist()):
+            if slot < 0:
+                bypassed.add(row)
+                assert row not in held.values()
+            else:
+                assert held[slot] == row
+        assert len(held) <= capacity
+        totals["rows"] += len(batch)
+        totals["hits"] += len(batch & cached_before)
+        totals["fetches"] += len(fetched)
+        totals["evictions"] += len(evicted)
+        totals["bypassed"] += len(bypassed)
+        previous, previous_bypassed = batch, bypassed
+    stats = planner.stats
+    assert stats == dict(batches=60, **totals)
+    assert stats["hits"] + stats["fetches"] + stats["bypassed"] == stats["rows"]
+    if capacity >= 5000:
+        assert stats["evictions"] == 0 and stats["bypassed"] == 0
+    if capacity <= 40:
+        assert stats["bypassed"] > 0
+
+
+def test_bad_batches_are_refused_and_change_nothing():
+    planner = CachePlanner(10, 4)
+    planner.plan(torch.tensor([1, 2, 3]))
+    before = planner.stats
+    with pytest.raises(IndexError, match=r"row 10 at 1 is not in \[0, 10\)"):
+        planner.plan(torch.tensor([3, 10]))
+    with pytest.raises(ValueError, match="ascending and distinct"):
+        planner.plan(torch.tensor([3, 3]))
+    with pytest.raises(TypeError, match="1-D int64 CPU tensor"):
+        planner.plan(torch.tensor([1, 2], dtype=torch.int32))
+    assert planner.stats == before
+    assert planner.plan(torch.tensor([1, 2, 3])).slot.tolist() == [0, 1, 2]  # all hits, as before
+    with pytest.raises(ValueError, match="capacity"):
+        CachePlanner(10, 0)
+
+
+def test_cache_benchmark_finds_every_row_of_a_replayed_stream_in_a_full_cache(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    import cache_plan
+    out = tmp_path / "plan.json"
+    cache_plan.main(["--rows", "20000", "--batch", "4000", "--stream", "4", "--warmup", "4", "--steps", "8",
+                     "--fractions", "1,0.2", "--json", str(out)])
+    sizes = json.loads(out.read_text())["sizes"]
+    full, small = sizes["1"], sizes["0.2"]
+    assert full["hit_rate"] == 1.0 and full["record_bytes_per_step"] == 0
+    assert 0 < small["hit_rate"] < 1 and small["evictions_per_step"] > 0
