@@ -13,10 +13,12 @@ batches, then --steps timed ones, on the unique rows the core's Dedup gives
 (planned after each step, or a step ahead with --lookahead). Reported over
 the timed batches:
   * hit rate: rows already in a slot / unique rows;
-  * fetches, evictions, bypassed rows per step; the records moved over PCIe
-    per step (fetches + evictions, record = row + Adam's two state rows, D
-    float32 each) against the minimum: the rows the step is the first to
-    touch, which any cache must fetch once;
+  * fetches, evictions, bypassed rows per step (a bypassed row is read and
+    updated in host memory, over PCIe, as without a cache); the records
+    moved per step (fetches + evictions, record = row + Adam's two state
+    rows, D float32 each), next to the records of the rows the step is the
+    first of the stream to touch, which a cache that keeps every row must
+    fetch once;
   * the planner's time per step (median), and the Dedup's, which a cached
     step needs anyway.
 No GPU is used: the planner runs on the host, ahead of the device work.
@@ -58,8 +60,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.fractions = [float(x) for x in args.fractions.split(",") if x]
     if min(args.rows, args.batch, args.dim, args.steps) < 1 or min(args.warmup, args.stream) < 0 or \
-            not args.fractions or \
-            not all(0 < f <= 1 for f in args.fractions):
+            not args.fractions or not all(0 < f <= 1 for f in args.fractions):
         p.error("sizes must be >= 1 and fractions in (0, 1]")
     return args
 
@@ -142,10 +143,11 @@ def print_report(args, report):
           f"{'planned a step ahead' if args.lookahead else 'planned after each step'}; Dedup "
           f"{fmt_ms(report['dedup']['median_ms'])} ms a step ({torch.get_num_threads()} threads)\n")
     print("| cache (of touched rows) | slots | hit rate | fetches/step | evictions/step | bypassed/step | "
-          "records moved/step | minimum | plan ms/step |")
+          "records moved/step | first touches/step | plan ms/step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for fraction, r in report["sizes"].items():
-        print(f"| {float(fraction):.0%} | {r['capacity']:,} | {r['hit_rate']:.1%} | {r['fetches_per_step']:,.0f} | "
+        print(f"| {float(fraction):.0%} | {r['capacity']:,} | {r['hit_rate']:.1%} | "
+              f"{r['fetches_per_step']:,.0f} | "
               f"{r['evictions_per_step']:,.0f} | {r['bypassed_per_step']:,.0f} | "
               f"{r['record_bytes_per_step'] / 2**20:,.0f} MiB | {r['minimum_bytes_per_step'] / 2**20:,.0f} MiB | "
               f"{fmt_ms(r['plan']['median_ms'])} |")

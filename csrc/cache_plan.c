@@ -6,13 +6,30 @@
 
 #include "thread_pool.h"
 
+enum { ENTRY_SLOT_BITS = 28, AGE_PERIOD = 10 };
+#define ENTRY_SLOT_MASK ((1u << ENTRY_SLOT_BITS) - 1u)
+#define ENTRY_FREQ_MAX (UINT32_MAX >> ENTRY_SLOT_BITS)
+
+static inline uint32_t entry_slot_plus1(uint32_t e)
+{
+    return e & ENTRY_SLOT_MASK;
+}
+
+static inline uint32_t entry_freq(uint32_t e)
+{
+    return e >> ENTRY_SLOT_BITS;
+}
+
 struct he_cache {
     int64_t num_rows;
     int64_t capacity;
     int protect;
-    /* slot + 1, 0 when not cached: calloc'd, so the rows never cached
-     * cost no memory (4 bytes a row at most). */
-    uint32_t *slot_plus1;
+    /* Per row: slot + 1 in the low ENTRY_SLOT_BITS bits (0 when not
+     * cached) and, above them, how often the row was used lately (batches
+     * using it, saturating, halved every AGE_PERIOD batches). One word a
+     * row, so the pass over a batch reads and writes one place per row;
+     * calloc'd, so the rows never used cost no memory. */
+    uint32_t *entry;
     int64_t *row_of;     /* [capacity]; -1: empty */
     int64_t *used_at;    /* [capacity]: the last batch that used the slot */
     uint8_t *referenced; /* [capacity]: CLOCK's second chance */
@@ -30,22 +47,22 @@ struct he_cache {
 he_status he_cache_new(int64_t num_rows, int64_t capacity, int protect, he_cache **out)
 {
     *out = NULL;
-    if (num_rows < 0 || capacity < 1 || capacity > INT32_MAX - 1 || (protect != 1 && protect != 2))
+    if (num_rows < 0 || capacity < 1 || capacity >= (int64_t)ENTRY_SLOT_MASK || (protect != 1 && protect != 2))
         return he_fail(HE_ERR_VALUE,
-                       "a cache needs num_rows >= 0, 1 <= capacity < 2^31 - 1 and protect 1 or 2, got %" PRId64
+                       "a cache needs num_rows >= 0, 1 <= capacity < %" PRId64 " and protect 1 or 2, got %" PRId64
                        ", %" PRId64 " and %d",
-                       num_rows, capacity, protect);
+                       (int64_t)ENTRY_SLOT_MASK, num_rows, capacity, protect);
     he_cache *c = calloc(1, sizeof *c);
     if (!c)
         return he_fail(HE_ERR_NOMEM, "could not allocate a cache");
     c->num_rows = num_rows;
     c->capacity = capacity;
     c->protect = protect;
-    c->slot_plus1 = calloc((size_t)(num_rows > 0 ? num_rows : 1), sizeof *c->slot_plus1);
+    c->entry = calloc((size_t)(num_rows > 0 ? num_rows : 1), sizeof *c->entry);
     c->row_of = malloc((size_t)capacity * sizeof *c->row_of);
     c->used_at = malloc((size_t)capacity * sizeof *c->used_at);
     c->referenced = calloc((size_t)capacity, 1);
-    if (!c->slot_plus1 || !c->row_of || !c->used_at || !c->referenced) {
+    if (!c->entry || !c->row_of || !c->used_at || !c->referenced) {
         he_cache_free(c);
         return he_fail(HE_ERR_NOMEM, "could not allocate a cache of %" PRId64 " slots for %" PRId64 " rows",
                        capacity, num_rows);
@@ -62,7 +79,7 @@ void he_cache_free(he_cache *c)
 {
     if (!c)
         return;
-    free(c->slot_plus1);
+    free(c->entry);
     free(c->row_of);
     free(c->used_at);
     free(c->referenced);
@@ -105,20 +122,22 @@ void he_cache_plan_free(he_cache_plan *plan)
 
 enum { AHEAD_ENTRY = 16, AHEAD_SLOT = 8 }; /* prefetch distances, in rows and slots */
 
-/* The next slot the CLOCK hand gives up (evicting its row: *evicted, else
- * -1), or -1 once the batch's sweep budget is spent: every slot was then
- * protected or had its second chance taken twice over. */
-static int64_t take_slot(he_cache *c, int64_t *budget, int64_t *evicted)
+/* The slot the CLOCK hand settles on for a miss used `freq` times lately:
+ * an empty one (*evicted = -1), or the next unprotected one without its
+ * second chance, whose row is evicted (*evicted) if the miss was used
+ * more often lately; else the row stays and the miss bypasses the cache
+ * (-2). -1 once the batch's sweep budget is spent. */
+static int64_t take_slot(he_cache *c, uint32_t freq, int64_t *budget, int64_t *evicted)
 {
     while (*budget > 0) {
         (*budget)--;
         int64_t s = c->hand;
         c->hand = s + 1 == c->capacity ? 0 : s + 1;
-        /* An evicted row's entry is written at random: ask for the entry
-         * of the row a few slots on. */
+        /* An evicted row's entry is read and written at random: ask for
+         * the entry of the row a few slots on. */
         int64_t ahead = (s + AHEAD_SLOT) % c->capacity;
         if (c->row_of[ahead] >= 0)
-            __builtin_prefetch(&c->slot_plus1[c->row_of[ahead]], 1);
+            __builtin_prefetch(&c->entry[c->row_of[ahead]], 1);
         if (c->row_of[s] < 0) {
             *evicted = -1;
             return s;
@@ -129,16 +148,19 @@ static int64_t take_slot(he_cache *c, int64_t *budget, int64_t *evicted)
             c->referenced[s] = 0;
             continue;
         }
+        if (entry_freq(c->entry[c->row_of[s]]) >= freq)
+            return -2;
         *evicted = c->row_of[s];
         return s;
     }
     return -1;
 }
 
-/* The hits pass: each row's slot, and its slot stamped as in use. Rows are
- * distinct, so are their slots: threads never write one slot. slot_of and
- * the slots are far bigger than the CPU's caches and read at random; two
- * prefetch stages (the row's entry, then its slot's) overlap the waits. */
+/* The pass over a batch's rows: each row's use counted, its slot looked
+ * up, and a hit's slot stamped as in use. Rows are distinct, so are their
+ * entries and slots: threads never write one place. The entries and slots
+ * are far bigger than the CPU's caches and read at random; two prefetch
+ * stages (the row's entry, then its slot's) overlap the waits. */
 typedef struct hits_job {
     he_cache *c;
     const int64_t *unique;
@@ -152,21 +174,32 @@ static void hits_range(void *ctx, int64_t begin, int64_t end)
     const int64_t *unique = job->unique;
     for (int64_t k = begin; k < end; k++) {
         if (k + AHEAD_ENTRY < end)
-            __builtin_prefetch(&c->slot_plus1[unique[k + AHEAD_ENTRY]], 0);
+            __builtin_prefetch(&c->entry[unique[k + AHEAD_ENTRY]], 1);
         if (k + AHEAD_SLOT < end) {
-            uint32_t ahead = c->slot_plus1[unique[k + AHEAD_SLOT]];
+            uint32_t ahead = entry_slot_plus1(c->entry[unique[k + AHEAD_SLOT]]);
             if (ahead) {
                 __builtin_prefetch(&c->used_at[ahead - 1], 1);
                 __builtin_prefetch(&c->referenced[ahead - 1], 1);
             }
         }
-        uint32_t s1 = c->slot_plus1[unique[k]];
+        uint32_t *e = &c->entry[unique[k]];
+        if (entry_freq(*e) < ENTRY_FREQ_MAX)
+            *e += 1u << ENTRY_SLOT_BITS;
+        uint32_t s1 = entry_slot_plus1(*e);
         job->slot[k] = (int32_t)s1 - 1;
         if (s1) {
             c->used_at[s1 - 1] = c->batch;
             c->referenced[s1 - 1] = 1;
         }
     }
+}
+
+/* Every AGE_PERIOD batches each row's frequency halves: "lately". */
+static void age_range(void *ctx, int64_t begin, int64_t end)
+{
+    uint32_t *entry = ctx;
+    for (int64_t r = begin; r < end; r++)
+        entry[r] = (entry[r] & ENTRY_SLOT_MASK) | ((entry_freq(entry[r]) >> 1) << ENTRY_SLOT_BITS);
 }
 
 he_status he_cache_plan_batch(he_cache *c, const int64_t *unique, int64_t num_unique, he_cache_plan *plan)
@@ -193,33 +226,33 @@ he_status he_cache_plan_batch(he_cache *c, const int64_t *unique, int64_t num_un
         c->bypass_room = num_unique;
     }
     int64_t batch = ++c->batch;
+    if (batch % AGE_PERIOD == 0)
+        he_parallel_for(c->num_rows, 1 << 16, age_range, c->entry);
     /* Hits first: they are protected before any miss looks for a slot. */
     hits_job job = {c, unique, plan->slot};
-    he_status st = he_parallel_for(num_unique, 4096, hits_range, &job);
-    if (st != HE_OK)
-        return st;
-    /* Then misses, ascending: each takes the next slot the hand gives up. */
+    he_parallel_for(num_unique, 4096, hits_range, &job);
+    /* Then misses, ascending: each takes the slot the hand settles on. */
     int64_t budget = 3 * c->capacity, prev = 0, num_bypass = 0, hits = 0;
     plan->num_fetch = plan->num_evict = 0;
     for (int64_t k = 0; k < num_unique; k++) {
         if (k + AHEAD_ENTRY < num_unique)
-            __builtin_prefetch(&c->slot_plus1[unique[k + AHEAD_ENTRY]], 1);
+            __builtin_prefetch(&c->entry[unique[k + AHEAD_ENTRY]], 1);
         if (plan->slot[k] >= 0) {
             hits++;
             continue;
         }
         int64_t row = unique[k], evicted = -1;
-        int64_t s = take_slot(c, &budget, &evicted);
+        int64_t s = take_slot(c, entry_freq(c->entry[row]), &budget, &evicted);
         if (s < 0) {
             c->next_bypass[num_bypass++] = row;
             continue;
         }
         if (evicted >= 0) {
-            c->slot_plus1[evicted] = 0;
+            c->entry[evicted] &= ~ENTRY_SLOT_MASK;
             plan->evict_slot[plan->num_evict] = (int32_t)s;
             plan->evict_row[plan->num_evict++] = evicted;
         }
-        c->slot_plus1[row] = (uint32_t)s + 1;
+        c->entry[row] = (c->entry[row] & ~ENTRY_SLOT_MASK) | ((uint32_t)s + 1);
         c->row_of[s] = row;
         c->used_at[s] = batch;
         c->referenced[s] = 1;
@@ -247,7 +280,7 @@ he_status he_cache_plan_batch(he_cache *c, const int64_t *unique, int64_t num_un
 
 int32_t he_cache_slot_of(const he_cache *c, int64_t row)
 {
-    return row >= 0 && row < c->num_rows ? (int32_t)c->slot_plus1[row] - 1 : -1;
+    return row >= 0 && row < c->num_rows ? (int32_t)entry_slot_plus1(c->entry[row]) - 1 : -1;
 }
 
 int64_t he_cache_row_of(const he_cache *c, int32_t slot)

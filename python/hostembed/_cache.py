@@ -29,7 +29,7 @@ class CachePlanner:
     """Plans batches for a cache of `capacity` slots over a table of
     num_rows rows. lookahead=True: each batch is planned while the previous
     step may still run, so the previous batch's slots stay too (protect 2
-    in the core's terms)."""
+    in the core's terms). The policy: csrc/cache_plan.h."""
 
     def __init__(self, num_rows: int, capacity: int, *, lookahead: bool = False):
         self._planner = _C.CachePlanner(num_rows=num_rows, capacity=capacity, protect=2 if lookahead else 1)

@@ -2484,9 +2484,10 @@ static void test_gather_dtypes(void)
 /* ------------------------------------------------------------------------ */
 
 /* The cache planner's decisions on small cases: free slots first, hits
- * protected, CLOCK's second chance, look-ahead protection and bypass, the
- * fetch of a row the last batch updated in host memory flagged, bad
- * batches refused with nothing changed. */
+ * protected, CLOCK's second chance, admission by recent use (a row used
+ * once does not evict one used as often, a row used more does), look-ahead
+ * protection and bypass, the fetch of a row the last batch updated in host
+ * memory flagged, bad batches refused with nothing changed. */
 static void test_cache_plan(void)
 {
     group_begin();
@@ -2501,13 +2502,18 @@ static void test_cache_plan(void)
     CHECK(he_cache_slot_of(c, 2) == 1 && he_cache_row_of(c, 2) == 3 && he_cache_slot_of(c, 4) == -1);
     int64_t b[] = {2, 3, 4, 5};
     CHECK_ST(he_cache_plan_batch(c, b, 4, &plan), HE_OK);
-    /* 2, 3 hit; 4 takes the free slot; 5 evicts 1 (the one row not in this batch). */
-    CHECK(plan.slot[0] == 1 && plan.slot[1] == 2 && plan.slot[2] == 3 && plan.slot[3] == 0);
-    CHECK(plan.num_fetch == 2 && plan.fetch_row[0] == 4 && plan.fetch_row[1] == 5 && plan.fetch_slot[1] == 0);
+    /* 2, 3 hit; 4 takes the free slot; 5's victim would be 1, used as
+     * often lately: 5 bypasses. */
+    CHECK(plan.slot[0] == 1 && plan.slot[1] == 2 && plan.slot[2] == 3 && plan.slot[3] == -1);
+    CHECK(plan.num_fetch == 1 && plan.fetch_row[0] == 4 && plan.num_evict == 0);
+    int64_t again[] = {5};
+    CHECK_ST(he_cache_plan_batch(c, again, 1, &plan), HE_OK);
+    /* Used twice now, 5 evicts 1; the last batch updated it in host memory. */
     CHECK(plan.num_evict == 1 && plan.evict_slot[0] == 0 && plan.evict_row[0] == 1);
+    CHECK(plan.num_fetch == 1 && plan.fetch_row[0] == 5 && plan.fetch_slot[0] == 0 && plan.fetch_after_update[0]);
     CHECK(he_cache_slot_of(c, 1) == -1 && he_cache_slot_of(c, 5) == 0);
     he_cache_stats st = he_cache_get_stats(c);
-    CHECK(st.batches == 2 && st.rows == 7 && st.hits == 2 && st.fetches == 5 && st.evictions == 1 && st.bypassed == 0);
+    CHECK(st.batches == 3 && st.rows == 8 && st.hits == 2 && st.fetches == 5 && st.evictions == 1 && st.bypassed == 1);
     /* Refused, nothing changed: out of range, not ascending, too many. */
     int64_t bad_range[] = {3, 10}, bad_order[] = {3, 3}, many[9] = {0, 1, 2, 3, 4, 5, 6, 7, 8};
     CHECK_ST(he_cache_plan_batch(c, bad_range, 2, &plan), HE_ERR_INDEX);
@@ -2529,12 +2535,32 @@ static void test_cache_plan(void)
     CHECK_ST(he_cache_plan_batch(c, second, 1, &plan), HE_OK);
     CHECK(plan.slot[0] == -1 && plan.num_fetch == 0 && plan.num_evict == 0); /* bypassed */
     CHECK_ST(he_cache_plan_batch(c, third, 2, &plan), HE_OK);
-    CHECK(plan.num_fetch == 2 && plan.num_evict == 2);
-    /* 5 was updated in host memory by the last batch: its fetch waits. */
-    CHECK(plan.fetch_row[0] == 5 && plan.fetch_after_update[0] == 1);
-    CHECK(plan.fetch_row[1] == 6 && plan.fetch_after_update[1] == 0);
+    /* 5 (used twice) takes 1's slot, after the last step's update of it in
+     * host memory; 6 (once) bypasses. */
+    CHECK(plan.num_fetch == 1 && plan.num_evict == 1 && plan.evict_row[0] == 1);
+    CHECK(plan.fetch_row[0] == 5 && plan.fetch_after_update[0] == 1 && plan.slot[1] == -1);
     st = he_cache_get_stats(c);
-    CHECK(st.bypassed == 1 && st.evictions == 2);
+    CHECK(st.bypassed == 2 && st.evictions == 1);
+    he_cache_free(c);
+
+    /* A row used often keeps its slot through rows used once; a row used
+     * again and again gets one, from a row used less. */
+    CHECK_ST(he_cache_new(10, 2, 1, &c), HE_OK);
+    int64_t zero[] = {0}, one[] = {1};
+    for (int i = 0; i < 3; i++)
+        CHECK_ST(he_cache_plan_batch(c, zero, 1, &plan), HE_OK);
+    CHECK_ST(he_cache_plan_batch(c, one, 1, &plan), HE_OK);
+    int evictions = 0;
+    for (int64_t r = 2; r < 7; r++) {
+        int64_t once[] = {r};
+        CHECK_ST(he_cache_plan_batch(c, once, 1, &plan), HE_OK);
+        evictions += (int)plan.num_evict;
+    }
+    CHECK(evictions == 0 && he_cache_slot_of(c, 0) == 0 && he_cache_slot_of(c, 1) == 1);
+    int64_t six[] = {6};
+    for (int i = 0; i < 3 && he_cache_slot_of(c, 6) < 0; i++)
+        CHECK_ST(he_cache_plan_batch(c, six, 1, &plan), HE_OK);
+    CHECK(he_cache_slot_of(c, 6) == 1 && he_cache_slot_of(c, 1) == -1 && he_cache_slot_of(c, 0) == 0);
     he_cache_free(c);
     he_cache_plan_free(&plan);
     group_end("cache_plan");
