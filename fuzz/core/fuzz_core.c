@@ -1,7 +1,8 @@
 /* libFuzzer harness for hostembed's C core (csrc/), no Python.
  *
  * Each input is decoded into one call of an entry point -- dedup, gather,
- * grad_reduce, renorm, SparseAdam or the fused backward + SparseAdam -- on small random shapes (num_rows
+ * grad_reduce, renorm, SparseAdam or the fused backward + SparseAdam, or a
+ * run of the cache planner -- on small random shapes (num_rows
  * < 64, dim < 18, row strides up to dim + 3, buffers exactly as large as
  * the shape needs or a little short), random ids (int32 or int64, in and
  * out of range, repeated, unsorted), random floats (NaN, inf, subnormals,
@@ -24,6 +25,13 @@
  *   SparseAdam   bit for bit the documented float32 update after
  *                coalescing repeated rows; fused: the same update of
  *                grad_reduce's sums (padding_idx, scale_grad_by_freq);
+ *   cache plan   a run of batches planned for a small cache, each plan
+ *                applied to a model of the slots: every row where the plan
+ *                says, no eviction of a row in use (this batch, or the
+ *                last one when planned a step ahead), exactly the fetches
+ *                of rows the last batch bypassed flagged, the counts
+ *                adding up; a batch not ascending, out of range or too big
+ *                refused with the planner unchanged;
  * and every refusal is the documented one with nothing written: a table
  * that does not fit its buffer or a bad argument -> HE_ERR_VALUE, an id out
  * of range -> HE_ERR_INDEX naming the first bad position (gather may have
@@ -43,6 +51,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cache_plan.h"
 #include "dedup.h"
 #include "gather.h"
 #include "grad_reduce.h"
@@ -761,6 +770,127 @@ static void fuzz_sparse_adam(reader *r, int fused)
 }
 
 /* ------------------------------------------------------------------------ */
+/* The cache planner                                                        */
+
+static int cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static void fuzz_cache_plan(reader *r)
+{
+    int64_t num_rows = rows_of(r, 1);
+    int64_t capacity = 1 + (int64_t)(u8(r) % (g_big ? 255 : 16)) * (g_big ? 4 : 1);
+    int protect = 1 + (u8(r) & 1);
+    int batches = 1 + u8(r) % 12;
+    he_cache *c = NULL;
+    REQUIRE(he_cache_new(num_rows, capacity, protect, &c) == HE_OK, "he_cache_new");
+    int64_t *held = xmalloc((size_t)capacity * sizeof *held); /* the model: slot -> row, -1 */
+    uint8_t *in_batch = calloc((size_t)num_rows, 1), *in_last = calloc((size_t)num_rows, 1);
+    uint8_t *bypassed_last = calloc((size_t)num_rows, 1), *cached = calloc((size_t)num_rows, 1);
+    REQUIRE(in_batch && in_last && bypassed_last && cached, "calloc");
+    for (int64_t s = 0; s < capacity; s++)
+        held[s] = -1;
+    int64_t max_count = g_big ? 3000 : 40;
+    int64_t *unique = xmalloc((size_t)max_count * sizeof *unique);
+    for (int b = 0; b < batches; b++) {
+        int64_t count = (int64_t)((g_big ? bulk32(r) : bulk8(r)) % (uint32_t)(max_count + 1));
+        for (int64_t i = 0; i < count; i++)
+            unique[i] = (int64_t)(bulk32(r) % (uint32_t)num_rows);
+        qsort(unique, (size_t)count, sizeof *unique, cmp_i64);
+        int64_t n = 0;
+        for (int64_t i = 0; i < count; i++)
+            if (n == 0 || unique[i] != unique[n - 1])
+                unique[n++] = unique[i];
+        /* One batch in eight is spoiled: the planner must refuse it. */
+        uint8_t spoil = u8(r) % 32;
+        int64_t room = n;
+        he_status want = HE_OK;
+        if (spoil == 0 && n >= 2) {
+            unique[1] = unique[0];
+            want = HE_ERR_VALUE;
+        } else if (spoil == 1 && n >= 1) {
+            unique[n - 1] = num_rows + (int64_t)u8(r);
+            want = HE_ERR_INDEX;
+        } else if (spoil == 2 && n >= 1) {
+            room = n - 1;
+            want = HE_ERR_VALUE;
+        } else if (spoil == 3 && n >= 1) {
+            unique[0] = -1 - (int64_t)u8(r);
+            want = HE_ERR_INDEX;
+        }
+        he_cache_plan plan;
+        REQUIRE(he_cache_plan_init(&plan, room) == HE_OK, "plan init");
+        he_cache_stats before = he_cache_get_stats(c);
+        he_status st = he_cache_plan_batch(c, unique, n, &plan);
+        REQUIRE(st == want, "batch %d: status %d, want %d", b, (int)st, (int)want);
+        if (st != HE_OK) {
+            he_cache_stats after = he_cache_get_stats(c);
+            REQUIRE(memcmp(&before, &after, sizeof before) == 0, "a refused batch changed the counts");
+            for (int64_t s = 0; s < capacity; s++)
+                REQUIRE(he_cache_row_of(c, (int32_t)s) == held[s], "a refused batch changed slot %" PRId64, s);
+            he_cache_plan_free(&plan);
+            continue;
+        }
+        for (int64_t k = 0; k < n; k++)
+            in_batch[unique[k]] = 1;
+        for (int64_t e = 0; e < plan.num_evict; e++) {
+            int64_t slot = plan.evict_slot[e], row = plan.evict_row[e];
+            REQUIRE(slot >= 0 && slot < capacity && held[slot] == row && row >= 0, "eviction %" PRId64, e);
+            REQUIRE(!in_batch[row] && !(protect == 2 && in_last[row]), "evicted row %" PRId64 " is in use", row);
+            held[slot] = -1;
+            cached[row] = 0;
+        }
+        for (int64_t f = 0; f < plan.num_fetch; f++) {
+            int64_t slot = plan.fetch_slot[f], row = plan.fetch_row[f];
+            REQUIRE(slot >= 0 && slot < capacity && held[slot] == -1 && !cached[row] && in_batch[row],
+                    "fetch %" PRId64 ": row %" PRId64 " into slot %" PRId64, f, row, slot);
+            REQUIRE(f == 0 || plan.fetch_row[f - 1] < row, "fetches not ascending");
+            REQUIRE(plan.fetch_after_update[f] == bypassed_last[row], "fetch of row %" PRId64 " flagged %d", row,
+                    plan.fetch_after_update[f]);
+            held[slot] = row;
+            cached[row] = 1;
+        }
+        int64_t hits = 0, bypassed = 0;
+        memset(bypassed_last, 0, (size_t)num_rows);
+        for (int64_t k = 0; k < n; k++) {
+            int32_t slot = plan.slot[k];
+            if (slot < 0) {
+                REQUIRE(!cached[unique[k]], "row %" PRId64 " bypassed while cached", unique[k]);
+                bypassed_last[unique[k]] = 1;
+                bypassed++;
+            } else {
+                REQUIRE(slot < capacity && held[slot] == unique[k], "row %" PRId64 " not in its slot", unique[k]);
+            }
+        }
+        he_cache_stats after = he_cache_get_stats(c);
+        hits = after.hits - before.hits;
+        REQUIRE(hits + (after.fetches - before.fetches) + bypassed == n && after.bypassed - before.bypassed == bypassed,
+                "counts: %" PRId64 " hits, %" PRId64 " bypassed of %" PRId64, hits, bypassed, n);
+        for (int64_t s = 0; s < capacity; s++)
+            REQUIRE(he_cache_row_of(c, (int32_t)s) == held[s], "slot %" PRId64 " holds another row", s);
+        memset(in_last, 0, (size_t)num_rows);
+        for (int64_t k = 0; k < n; k++) {
+            in_last[unique[k]] = 1;
+            in_batch[unique[k]] = 0;
+        }
+        he_cache_plan_free(&plan);
+    }
+    for (int64_t row = 0; row < num_rows; row++) {
+        int32_t slot = he_cache_slot_of(c, row);
+        REQUIRE(cached[row] ? slot >= 0 && held[slot] == row : slot == -1, "row %" PRId64 "'s slot", row);
+    }
+    he_cache_free(c);
+    free(held);
+    free(in_batch);
+    free(in_last);
+    free(bypassed_last);
+    free(cached);
+    free(unique);
+}
+
+/* ------------------------------------------------------------------------ */
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -776,13 +906,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int threads = 1 + (head >> 4) % 4;
     if (g_big && he_get_num_threads() != threads && he_set_num_threads(threads) != HE_OK)
         abort();
-    switch (head % 6) {
+    /* The low nibble picks the entry point (the high one, the threads). */
+    switch ((head & 0x0F) % 7) {
     case 0: fuzz_dedup(&r); break;
     case 1: fuzz_gather(&r); break;
     case 2: fuzz_grad_reduce(&r); break;
     case 3: fuzz_renorm(&r); break;
     case 4: fuzz_sparse_adam(&r, 0); break;
-    default: fuzz_sparse_adam(&r, 1); break;
+    case 5: fuzz_sparse_adam(&r, 1); break;
+    default: fuzz_cache_plan(&r); break;
     }
     return 0;
 }
