@@ -5,9 +5,12 @@
 
 #include "cache_plan.h"
 
+/* The planner is not thread-safe and plan() releases the GIL: a lock
+ * keeps two Python threads from planning on one planner at once. */
 typedef struct {
     PyObject_HEAD
     he_cache *c;
+    PyThread_type_lock lock;
 } heb_cache;
 
 static PyObject *heb_cache_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -20,6 +23,11 @@ static PyObject *heb_cache_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     heb_cache *self = (heb_cache *)type->tp_alloc(type, 0);
     if (!self)
         return NULL;
+    self->lock = PyThread_allocate_lock();
+    if (!self->lock) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
     he_status st = he_cache_new(num_rows, capacity, protect, &self->c);
     if (st != HE_OK) {
         Py_DECREF(self);
@@ -30,6 +38,8 @@ static PyObject *heb_cache_new(PyTypeObject *type, PyObject *args, PyObject *kwd
 
 static void heb_cache_dealloc(heb_cache *self)
 {
+    if (self->lock)
+        PyThread_free_lock(self->lock);
     he_cache_free(self->c);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -61,7 +71,9 @@ static PyObject *heb_cache_plan(heb_cache *self, PyObject *args, PyObject *kwds)
                           .evict_row = evict_row.ptr};
     he_status st;
     Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
     st = he_cache_plan_batch(self->c, unique.ptr, num_unique, &plan);
+    PyThread_release_lock(self->lock);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -71,7 +83,12 @@ static PyObject *heb_cache_plan(heb_cache *self, PyObject *args, PyObject *kwds)
 static PyObject *heb_cache_stats(heb_cache *self, void *closure)
 {
     (void)closure;
-    he_cache_stats s = he_cache_get_stats(self->c);
+    he_cache_stats s;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    s = he_cache_get_stats(self->c);
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
     return Py_BuildValue("{sLsLsLsLsLsL}", "batches", (long long)s.batches, "rows", (long long)s.rows, "hits",
                          (long long)s.hits, "fetches", (long long)s.fetches, "evictions", (long long)s.evictions,
                          "bypassed", (long long)s.bypassed);

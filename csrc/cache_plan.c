@@ -129,8 +129,11 @@ enum { AHEAD_ENTRY = 16, AHEAD_SLOT = 8 }; /* prefetch distances, in rows and sl
  * (-2). -1 once the batch's sweep budget is spent. */
 static int64_t take_slot(he_cache *c, uint32_t freq, int64_t *budget, int64_t *evicted)
 {
-    while (*budget > 0) {
-        (*budget)--;
+    /* The budget counts the slots passed over, not the one settled on: a
+     * miss turned away costs the batch's later misses no sweep. */
+    for (;; (*budget)--) {
+        if (*budget <= 0)
+            return -1;
         int64_t s = c->hand;
         c->hand = s + 1 == c->capacity ? 0 : s + 1;
         /* An evicted row's entry is read and written at random: ask for
@@ -153,7 +156,6 @@ static int64_t take_slot(he_cache *c, uint32_t freq, int64_t *budget, int64_t *e
         *evicted = c->row_of[s];
         return s;
     }
-    return -1;
 }
 
 /* The pass over a batch's rows: each row's use counted, its slot looked

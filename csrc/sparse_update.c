@@ -214,6 +214,9 @@ static he_status check_gradient_dtype(const he_table *weight, int dtype)
 static he_status coalesce(const he_dedup *d, const void *grad, int64_t dim, const he_reduce_opts *opts,
                           int64_t **unique_rows, void **sums, int64_t *count)
 {
+    he_reduce_opts in_compute_type = *opts; /* the sums stay in the compute type here */
+    in_compute_type.round_sums = 0;
+    opts = &in_compute_type;
     size_t u = (size_t)(d->num_unique > 0 ? d->num_unique : 1), elem = he_dtype_size(he_compute_dtype(opts->dtype));
     *unique_rows = malloc(u * sizeof **unique_rows);
     *sums = malloc(u * (size_t)(dim > 0 ? dim : 1) * elem);

@@ -780,8 +780,9 @@ static int cmp_i64(const void *a, const void *b)
 
 static void fuzz_cache_plan(reader *r)
 {
-    int64_t num_rows = rows_of(r, 1);
-    int64_t capacity = 1 + (int64_t)(u8(r) % (g_big ? 255 : 16)) * (g_big ? 4 : 1);
+    /* Big: batches of thousands of distinct rows, for the threaded pass. */
+    int64_t num_rows = g_big ? 1 + (int64_t)(u32(r) % 20000u) : rows_of(r, 1);
+    int64_t capacity = 1 + (int64_t)(u8(r) % (g_big ? 255 : 16)) * (g_big ? 16 : 1);
     int protect = 1 + (u8(r) & 1);
     int batches = 1 + u8(r) % 12;
     he_cache *c = NULL;
@@ -792,7 +793,7 @@ static void fuzz_cache_plan(reader *r)
     REQUIRE(in_batch && in_last && bypassed_last && cached, "calloc");
     for (int64_t s = 0; s < capacity; s++)
         held[s] = -1;
-    int64_t max_count = g_big ? 3000 : 40;
+    int64_t max_count = g_big ? 9000 : 40; /* big: past the threaded pass's grain (4096 rows) */
     int64_t *unique = xmalloc((size_t)max_count * sizeof *unique);
     for (int b = 0; b < batches; b++) {
         int64_t count = (int64_t)((g_big ? bulk32(r) : bulk8(r)) % (uint32_t)(max_count + 1));

@@ -2237,6 +2237,36 @@ static void test_convert(void)
         }
         CHECKF(bad == 0, "%s: %ld conversions off", he_dtype_name(dt), bad);
     }
+    /* Whole rows go the vector way (F16C for float16 where the CPU has
+     * it), one element the scalar one: the same bits for every half, and
+     * for the float32 values at and around every midpoint. */
+    for (int t = 0; t < 2; t++) {
+        int dt = types[t];
+        int64_t n = 0x10000, bad = 0;
+        uint16_t *all = xmalloc((size_t)n * sizeof *all), *narrow = xmalloc((size_t)(4 * n) * sizeof *narrow);
+        float *wide = xmalloc((size_t)n * sizeof *wide), *around = xmalloc((size_t)(4 * n) * sizeof *around);
+        for (int64_t h = 0; h < n; h++)
+            all[h] = (uint16_t)h;
+        he_row_to_f32(dt, all, wide, n);
+        for (int64_t h = 0; h < n; h++) {
+            float one = half_value(dt, (uint16_t)h);
+            bad += memcmp(&one, &wide[h], sizeof one) != 0;
+            float next = half_value(dt, (uint16_t)(h + 1));
+            float mid = (isfinite(one) && isfinite(next)) ? (float)(((double)one + (double)next) / 2) : one;
+            around[4 * h] = one;
+            around[4 * h + 1] = mid;
+            around[4 * h + 2] = nextafterf(mid, -INFINITY);
+            around[4 * h + 3] = nextafterf(mid, INFINITY);
+        }
+        he_row_from_f32(dt, around, narrow, 4 * n, 0, 0, 0, 0);
+        for (int64_t i = 0; i < 4 * n; i++)
+            bad += narrow[i] != half_of(dt, around[i]);
+        CHECKF(bad == 0, "%s: %" PRId64 " row conversions differ from element ones", he_dtype_name(dt), bad);
+        free(all);
+        free(narrow);
+        free(wide);
+        free(around);
+    }
     CHECK(half_of(HE_F16, 65519.99f) == 0x7BFFu && half_of(HE_F16, 65520.0f) == 0x7C00u);
     CHECK(half_of(HE_F16, -65520.0f) == 0xFC00u && half_of(HE_F16, INFINITY) == 0x7C00u);
     CHECK(half_of(HE_F16, 0x1p-25f) == 0 && half_of(HE_F16, nextafterf(0x1p-25f, 1.0f)) == 1);
@@ -2389,8 +2419,7 @@ static void test_sparse_update_dtypes(void)
                     CHECK_ST(he_grad_reduce(d, grad16, dim, &half_opts, rounded, sum_rows, &sum_count), HE_OK);
                     he_row_to_f32(dt, rounded, sums, sum_count * dim);
                     CHECK(sum_count == nnz && memcmp(sums, values, (size_t)(nnz * dim) * sizeof(float)) == 0);
-                    half_opts.round_sums = 0;
-                    free(rounded);
+                    free(rounded); /* (the fused update takes no round_sums: it must not matter) */
                     CHECK_ST(he_sparse_update_fused(d, grad16, &half_opts, &hp, &tw[UPD_FUSED_HALF],
                                                     ts[UPD_FUSED_HALF], rule->num_state),
                              HE_OK);
@@ -2561,6 +2590,25 @@ static void test_cache_plan(void)
     for (int i = 0; i < 3 && he_cache_slot_of(c, 6) < 0; i++)
         CHECK_ST(he_cache_plan_batch(c, six, 1, &plan), HE_OK);
     CHECK(he_cache_slot_of(c, 6) == 1 && he_cache_slot_of(c, 1) == -1 && he_cache_slot_of(c, 0) == 0);
+    he_cache_free(c);
+
+    /* Misses turned away cost the batch's later misses nothing: after
+     * nineteen rows used once, a row used more than the residents still
+     * gets a slot. */
+    CHECK_ST(he_cache_new(100, 2, 1, &c), HE_OK);
+    int64_t residents[] = {0, 1}, fifty[] = {50}, crowd[20];
+    for (int i = 0; i < 2; i++)
+        CHECK_ST(he_cache_plan_batch(c, residents, 2, &plan), HE_OK);
+    for (int i = 0; i < 2; i++)
+        CHECK_ST(he_cache_plan_batch(c, fifty, 1, &plan), HE_OK);
+    for (int i = 0; i < 19; i++)
+        crowd[i] = 2 + i;
+    crowd[19] = 50;
+    he_cache_plan wide;
+    CHECK_ST(he_cache_plan_init(&wide, 20), HE_OK);
+    CHECK_ST(he_cache_plan_batch(c, crowd, 20, &wide), HE_OK);
+    CHECK(wide.num_fetch == 1 && wide.fetch_row[0] == 50 && wide.slot[19] >= 0 && wide.slot[0] == -1);
+    he_cache_plan_free(&wide);
     he_cache_free(c);
     he_cache_plan_free(&plan);
     group_end("cache_plan");
