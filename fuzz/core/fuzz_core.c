@@ -18,7 +18,9 @@
  *   gather       bit for bit the rows asked for;
  *   grad_reduce  bit for bit the same float sums in the same order
  *                (first row copied, the others added in ascending position
- *                order, each scaled first with scale_grad_by_freq);
+ *                order, each scaled first with scale_grad_by_freq), also
+ *                from a float16/bfloat16 gradient (its widening's sums,
+ *                rounded with round_sums);
  *   renorm       unreferenced rows untouched, rows under max_norm
  *                untouched, rows over it scaled by one factor to max_norm
  *                (the norm from a long double reference);
@@ -52,6 +54,7 @@
 #include <string.h>
 
 #include "cache_plan.h"
+#include "convert.h"
 #include "dedup.h"
 #include "gather.h"
 #include "grad_reduce.h"
@@ -438,6 +441,17 @@ static void fuzz_grad_reduce(reader *r)
     float *grad = xmalloc((size_t)(grad_rows * dim) * sizeof(float));
     for (int64_t i = 0; i < grad_rows * dim; i++)
         grad[i] = any_float(r);
+    /* One input in two passes a float16 or bfloat16 gradient (a half
+     * table's), rounded from the floats, which then hold its widening: the
+     * sums must be the same bits; with round_sums, those sums rounded. */
+    int half_dtype = (opt >> 7) ? ((u8(r) & 1) ? HE_F16 : HE_BF16) : HE_F32;
+    int round_sums = half_dtype != HE_F32 && (u8(r) & 1);
+    uint16_t *grad16 = NULL;
+    if (half_dtype != HE_F32) {
+        grad16 = xmalloc((size_t)(grad_rows * dim) * sizeof(uint16_t));
+        he_row_from_f32(half_dtype, grad, grad16, grad_rows * dim, 0, 0, 0, 0);
+        he_row_to_f32(half_dtype, grad16, grad, grad_rows * dim);
+    }
     he_dedup *d = NULL;
     REQUIRE(he_dedup_build(&ids.view, num_rows, &d) == HE_OK, "dedup of valid ids");
 
@@ -472,18 +486,27 @@ static void fuzz_grad_reduce(reader *r)
     float *values = xmalloc((size_t)(want_count * dim) * sizeof(float));
     int64_t *indices = xmalloc((size_t)want_count * sizeof(int64_t));
     int64_t count = -7;
-    he_reduce_opts opts = {padding, scale, bag_of, row_weights, num_bags};
+    he_reduce_opts opts = {padding, scale, bag_of, row_weights, num_bags, half_dtype, round_sums};
+    const void *grad_in = grad16 ? (const void *)grad16 : (const void *)grad;
     if (bad_bag) {
         for (int64_t i = 0; i < want_count * dim; i++)
             values[i] = 7.0f;
-        REQUIRE(he_grad_reduce(d, grad, dim, &opts, values, indices, &count) == HE_ERR_INDEX,
+        REQUIRE(he_grad_reduce(d, grad_in, dim, &opts, values, indices, &count) == HE_ERR_INDEX,
                 "a bag index out of range must be refused");
         REQUIRE(count == -7, "a refused reduce set the count");
         for (int64_t i = 0; i < want_count * dim; i++)
             REQUIRE(values[i] == 7.0f, "a refused reduce wrote value %" PRId64, i);
         want_count = count = 0;
     } else {
-        REQUIRE(he_grad_reduce(d, grad, dim, &opts, values, indices, &count) == HE_OK, "grad_reduce");
+        REQUIRE(he_grad_reduce(d, grad_in, dim, &opts, values, indices, &count) == HE_OK, "grad_reduce");
+        if (round_sums) { /* half sums: widen them, and round the reference */
+            uint16_t *sums16 = (uint16_t *)values;
+            float *wide = xmalloc((size_t)(count * dim) * sizeof(float));
+            he_row_to_f32(half_dtype, sums16, wide, count * dim);
+            memcpy(values, wide, (size_t)(count * dim) * sizeof(float));
+            free(wide);
+            he_round_row_f32(half_dtype, want_val, want_val, want_count * dim);
+        }
     }
     REQUIRE(count == want_count, "count %" PRId64 ", want %" PRId64, count, want_count);
     REQUIRE(memcmp(indices, want_idx, (size_t)count * sizeof(int64_t)) == 0, "indices differ");
@@ -496,6 +519,7 @@ static void fuzz_grad_reduce(reader *r)
     free(want_idx);
     free(want_val);
     free(grad);
+    free(grad16);
     free(bag_of);
     free(row_weights);
     free_ids(&ids);
