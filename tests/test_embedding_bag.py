@@ -322,22 +322,38 @@ def test_replace_embeddings_converts_bags_with_their_options_and_rows():
     assert new.sparse is False  # the module's own flag, as for Embedding
 
 
-@pytest.mark.parametrize("mode,scale", [("sum", False), ("mean", True), ("max", False)])
-def test_compile_matches_eager(mode, scale):
-    # Under torch.compile the bag takes the general path (the Embedding
-    # lookup of the unique ids, then embedding_bag), which GPU outputs and
-    # max mode take too.
+@pytest.mark.parametrize("form", ["offsets", "include_last_offset", "2d"])
+@pytest.mark.parametrize("mode,scale,padding_idx", [("sum", False, 4), ("mean", True, 4), ("max", False, 4),
+                                                    ("sum", True, None)])
+def test_compile_fullgraph_matches_eager(form, mode, scale, padding_idx):
+    # Under torch.compile the bag looks up every id with the Embedding
+    # lookup op and pools with torch's embedding_bag: no graph break.
     torch._dynamo.reset()
-    kwargs = {"padding_idx": 4, "scale_grad_by_freq": scale}
+    kwargs = {"padding_idx": padding_idx, "scale_grad_by_freq": scale, "include_last_offset": form == "include_last_offset"}
     _, eager = bag_pair(mode, **kwargs)
     _, compiled = bag_pair(mode, **kwargs)
-    step = torch.compile(lambda m, i, o, w: m(i, o, per_sample_weights=w).pow(2).sum())
-    ids, offsets, weights = batch("offsets", torch.int64, 4, mode == "sum")
+    step = torch.compile(lambda m, i, o, w: m(i, o, per_sample_weights=w).pow(2).sum(), fullgraph=True)
+    ids, offsets, weights = batch(form, torch.int64, padding_idx, mode == "sum")
     expected, got = eager(ids, offsets, per_sample_weights=weights).pow(2).sum(), step(compiled, ids, offsets, weights)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
     expected.backward()
     got.backward()
+    assert compiled.weight.grad.is_sparse
     torch.testing.assert_close(compiled.weight.grad.to_dense(), eager.weight.grad.to_dense(), rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_bag_refuses_bad_offsets_and_a_short_last_offset():
+    torch._dynamo.reset()
+    _, bag = bag_pair("sum", include_last_offset=True)
+    step = torch.compile(lambda i, o: bag(i, o), fullgraph=True)
+    ids = torch.tensor([1, 2, 3, 4])
+    assert torch.equal(step(ids, torch.tensor([0, 2, 4])), bag(ids, torch.tensor([0, 2, 4])))
+    with pytest.raises(RuntimeError, match="offsets must not decrease"):
+        step(ids, torch.tensor([0, 3, 2]))
+    # Eagerly the ids after the last offset belong to no bag; a compiled
+    # graph has no data-dependent sizes, so it asks for the documented form.
+    with pytest.raises(RuntimeError, match=r"under torch.compile.*offsets\[-1\] = 3.*input's length 4"):
+        step(ids, torch.tensor([0, 2, 3]))
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])

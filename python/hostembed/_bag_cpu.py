@@ -11,9 +11,10 @@ straight into the table's row-sparse gradient, or into the fused update.
 (torch's own embedding_bag backward into the rows alone took 14.6 ms for
 65,536 ids x 128 on 2 cores.)
 
-"max" mode, torch.compile and GPU outputs go through the general path in
+"max" mode and GPU outputs go through the general path in
 embedding_bag.py (the Embedding lookup of the unique ids, then
-embedding_bag with its autograd).
+embedding_bag with its autograd); torch.compile through its traced path
+(the lookup of every id, then embedding_bag).
 """
 import torch
 import torch.nn.functional as F

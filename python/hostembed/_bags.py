@@ -2,8 +2,10 @@
 brought to one (flat ids, offsets, per-sample weights) before any row is
 read or renormed, so a refused input changes nothing."""
 import torch
+from torch import Tensor
 
 from ._ids import check_ids
+from ._ops import _custom_op
 
 MODES = ("sum", "mean", "max")
 WHO = "hostembed.EmbeddingBag"
@@ -65,7 +67,12 @@ def flatten(input, offsets, per_sample_weights, mode, include_last_offset, weigh
             f"mode='sum' (got mode='{mode}'). Please open a feature request on GitHub."
         )
     check_ids(offsets, WHO, "offsets")
-    in_bags = _check_offsets(offsets, input.numel(), include_last_offset)
+    if torch.compiler.is_compiling():
+        # Checked inside an op: a traced graph cannot read the offsets.
+        offsets = checked_offsets.op(offsets, input.numel(), include_last_offset)
+        in_bags = input.numel()
+    else:
+        in_bags = _check_offsets(offsets, input.numel(), include_last_offset)
     if in_bags < input.numel():
         # The ids after the last offset belong to no bag. (torch documents
         # the last offset as the input's length; past it, its CPU kernel
@@ -107,3 +114,21 @@ def _check_offsets(offsets, count, include_last_offset):
         raise RuntimeError(f"offsets[-1] can not be greater than input's length {count} but got offsets[-1] of "
                            f"{int(last)}")
     return int(last)
+
+
+@_custom_op("hostembed::checked_offsets")
+def checked_offsets(offsets: Tensor, count: int, include_last_offset: bool) -> Tensor:
+    """A copy of the offsets once _check_offsets passes them, for traced
+    code. There the last offset must be the input's length, as torch
+    documents: eagerly, ids past it belong to no bag (flatten drops them),
+    and a compiled graph cannot drop a data-dependent number of ids."""
+    in_bags = _check_offsets(offsets, count, include_last_offset)
+    if in_bags < count:
+        raise RuntimeError(f"{WHO}: under torch.compile, include_last_offset needs offsets[-1] equal to the input's "
+                           f"length (torch's contract), got offsets[-1] = {in_bags} and the input's length {count}")
+    return offsets.clone()
+
+
+@checked_offsets.op.register_fake
+def _(offsets, count, include_last_offset):
+    return torch.empty_like(offsets)

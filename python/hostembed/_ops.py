@@ -125,7 +125,6 @@ def weight_grad(indices: Tensor, values: Tensor, num_rows: int, dim: int, sparse
 
 # ---- unique ids of a batch (EmbeddingBag looks up each distinct row once)
 
-@_custom_op("hostembed::unique_ids", mutates_args=())
 def unique_ids(ids: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     """(unique, inverse) of CPU ids, both int64: what
     torch.unique(ids.flatten(), return_inverse=True) gives, from the core's
@@ -143,12 +142,6 @@ def dedup_ids(ids: Tensor, num_rows: int):
     inverse = torch.empty(ids.numel(), dtype=torch.int64)
     dedup.export(unique=_address(unique), inverse=_address(inverse))
     return dedup, unique, inverse
-
-
-@unique_ids.op.register_fake
-def _(ids, num_rows):
-    unique = torch.library.get_ctx().new_dynamic_size()
-    return torch.empty(unique, dtype=torch.int64), torch.empty(ids.numel(), dtype=torch.int64)
 
 
 # ---- CPU lookup: out = weight[ids]; backward sums the rows per unique id

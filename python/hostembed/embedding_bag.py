@@ -67,7 +67,9 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
                 self.sparse)
             self._last_lookup_path = "cpu"
             return out.to(self._output_device)
-        unique, inverse = self._unique(ids, gpu, compiling)
+        if compiling:
+            return self._traced_bags(ids, offsets, per_sample_weights, include_last_offset, gpu, padding_idx)
+        unique, inverse = self._unique(ids, gpu)
         # Each distinct row once, renormed (max_norm) and range-checked by
         # the lookup; its backward sums the rows' gradients into the table's.
         rows = (_lookup_gpu if gpu else _lookup_cpu).lookup(self, unique, scale_grad_by_freq=False)
@@ -87,13 +89,30 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
                                per_sample_weights=per_sample_weights, include_last_offset=include_last_offset,
                                padding_idx=_bag_cpu.padding_row(unique, padding_idx))
 
-    def _unique(self, ids, gpu, compiling):
+    def _traced_bags(self, ids, offsets, per_sample_weights, include_last_offset, gpu, padding_idx):
+        """The bags for torch.compile, with no data-dependent shape: every
+        id's row by the Embedding lookup op (whose backward sums each id's
+        gradient rows, leaving padding_idx out), pooled by embedding_bag
+        over those rows with padding positions pointed at an extra zero
+        row that embedding_bag leaves out, as torch leaves padding_idx out."""
+        rows = (_lookup_gpu if gpu else _lookup_cpu).lookup(self, ids)
+        count, device = rows.shape[0], rows.device
+        positions = torch.arange(count, device=device)
+        if padding_idx >= 0:
+            positions = torch.where(ids.to(device) == padding_idx, count, positions)
+        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.to(device)
+        return F.embedding_bag(positions, rows, offsets.to(device), mode=self.mode, sparse=False,
+                               per_sample_weights=per_sample_weights, include_last_offset=include_last_offset,
+                               padding_idx=count)
+
+    def _unique(self, ids, gpu):
         """(unique ids, inverse): by the core's sort for CPU ids, by torch's
         on the GPU for GPU ids (the lookup range-checks them)."""
         if gpu and ids.device.type == "cuda":
             return torch.unique(ids, return_inverse=True)
-        unique_ids = _ops.unique_ids.op if compiling else _ops.unique_ids
-        return unique_ids(ids.to("cpu"), self.num_embeddings)
+        return _ops.unique_ids(ids.to("cpu"), self.num_embeddings)
 
     def _get_name(self):
         return "hostembed.EmbeddingBag"
