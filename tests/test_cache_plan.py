@@ -9,7 +9,9 @@ import pathlib
 import pytest
 import torch
 
-from hostembed._cache import CachePlanner
+from hostembed import _ops
+from hostembed._cache import CachePlanner, RowCache
+from hostembed._table import HostTable
 
 
 def _skewed_batch(gen, rows, count):
@@ -92,3 +94,66 @@ def test_cache_benchmark_finds_every_row_of_a_replayed_stream_in_a_full_cache(tm
     full, small = sizes["1"], sizes["0.2"]
     assert full["hit_rate"] == 1.0 and full["record_bytes_per_step"] == 0
     assert 0 < small["hit_rate"] < 1 and small["evictions_per_step"] > 0
+
+
+# ---- the executor: training through a cache of CPU records
+
+OPTIMIZERS = {  # kind: (state keys and whether per row, hyperparameters)
+    "SparseAdam": (_ops.ADAM, {"exp_avg": False, "exp_avg_sq": False},
+                   dict(lr=0.05, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.1)),
+    "SGD": (_ops.SGD, {}, dict(lr=0.1)),
+    "Adagrad": (_ops.ADAGRAD, {"sum": False}, dict(lr=0.1, eps=1e-6, lr_decay=0.01)),
+    "RowWiseAdagrad": (_ops.ROWWISE_ADAGRAD, {"row_sum": True}, dict(lr=0.1, eps=1e-6)),
+}
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_training_through_a_small_cache_gives_the_uncached_bits(name, lookahead):
+    # 100 skewed batches through a 96-slot cache (many evictions and
+    # bypassed rows), planned after each step or a step ahead (then before
+    # the step's update, with the flagged fetches after it): every batch
+    # reads the uncached table's rows, and after a flush the weights and
+    # state are the uncached table's bits.
+    kind, layout, hyper = OPTIMIZERS[name]
+    rows, dim, capacity, warm, steps = 3000, 8, 96, 3, 100
+    gen = torch.Generator().manual_seed(5)
+    tables = [HostTable(rows, dim) for _ in range(2)]
+    init = torch.randn(rows, dim, generator=gen)
+    states = [{k: t.zeros(per_row=per_row) for k, per_row in layout.items()} for t in tables]
+    for key, per_row in layout.items():  # state already trained: attach_state must bring it in
+        value = torch.rand(rows if per_row else (rows, dim), generator=gen)
+        for state in states:
+            state[key].copy_(value)
+    for t in tables:
+        t.tensor.copy_(init)
+    cache = RowCache(tables[1], capacity, lookahead=lookahead)
+    batches = [_skewed_batch(gen, rows, 300) for _ in range(warm + steps)]
+    for unique in batches[:warm]:  # lookups before the optimizer's first step (no update to wait for)
+        plan = cache.plan(unique)
+        cache.finish(plan)
+        assert torch.equal(cache.rows(plan, unique), tables[0].tensor[unique])
+    for key in layout:
+        cache.attach_state(key, states[1][key])
+    batches = batches[warm:]
+    plans = [cache.plan(batches[0])]
+    cache.finish(plans[0])
+    for b, unique in enumerate(batches):
+        plan = plans[b]
+        assert torch.equal(cache.rows(plan, unique), tables[0].tensor[unique]), f"stale rows at step {b}"
+        if lookahead and b + 1 < steps:
+            plans.append(cache.plan(batches[b + 1]))  # before this step's update
+        grad = torch.randn(unique.numel(), dim, generator=gen)
+        step = dict(hyper, step=b + 1, maximize=False)
+        _ops.sparse_update(kind, tables[0].tensor, states[0], unique, grad, **step)
+        cache.update(plan, unique, kind, list(layout), unique, grad, **step)
+        if lookahead and b + 1 < steps:
+            cache.finish(plans[b + 1])
+        elif b + 1 < steps:
+            plans.append(cache.plan(batches[b + 1]))
+    cache.flush()
+    assert torch.equal(tables[1].tensor, tables[0].tensor)
+    for key in layout:
+        assert torch.equal(states[1][key], states[0][key]), key
+    stats = cache.planner.stats
+    assert stats["hits"] > 0 and stats["evictions"] > 0 and stats["bypassed"] > 0

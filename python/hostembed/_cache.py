@@ -1,13 +1,14 @@
-"""The row cache's planner from Python: which of a table's rows sit in which
-slot of a cache (HBM records holding a row and its optimizer state), and
-what each batch must move. The planner is the core's (csrc/cache_plan.h);
-this wraps its arrays in tensors."""
+"""The row cache from Python: the planner (the core's, csrc/cache_plan.h,
+its arrays wrapped in tensors), which says which of a table's rows sit in
+which slot of a cache (records holding a row and its optimizer state) and
+what each batch must move, and RowCache, which carries the plans out."""
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from . import _C
+from . import _C, _ops
+from ._table import HostTable
 
 
 class CachePlan(NamedTuple):
@@ -64,3 +65,89 @@ class CachePlanner:
             evict_slot=evict_slot.data_ptr(), evict_row=evict_row.data_ptr())
         return CachePlan(slot, fetch_row[:fetches], fetch_slot[:fetches], fetch_after_update[:fetches].bool(),
                          evict_slot[:evictions], evict_row[:evictions])
+
+
+class RowCache:
+    """A host table's rows, and their optimizer state, kept in `capacity`
+    slots (records) and moved as the planner says: each batch's rows are
+    read and updated in their slots, or in host memory where they bypass
+    the cache, and the results are bit for bit the uncached table's. The
+    records are host memory (a HostTable of `capacity` rows, updated by
+    the same core), which keeps the executor's logic, and the order of its
+    moves, testable on the CPU.
+
+    A batch: plan(unique) (evictions and fetches done, the flagged ones
+    too unless lookahead), rows(plan, unique) for the forward, update(...)
+    for the optimizer's step. With lookahead, plan(next) may come before
+    the current batch's update; finish(next) then does the fetches that
+    had to wait for it. flush() writes every record back; attach_state()
+    brings an optimizer's state into the records (uncached rows' state
+    stays in host memory)."""
+
+    def __init__(self, table, capacity: int, *, lookahead: bool = False):
+        self.table = table
+        self.lookahead = lookahead
+        self.planner = CachePlanner(table.num_rows, capacity, lookahead=lookahead)
+        self.records = HostTable(capacity, table.dim, dtype=table.dtype, first_touch=False)
+        self.host = {"weight": table.tensor}
+        self.cached = {"weight": self.records.tensor}
+        self.row_of_slot = torch.full((capacity,), -1, dtype=torch.int64)
+
+    def attach_state(self, key: str, host_tensor: Tensor) -> Tensor:
+        """An optimizer state tensor of the table ([num_rows, dim], or
+        [num_rows] per row) kept with the rows from now on: its cached
+        rows' values are copied into new records. Returns those records."""
+        records = self.records.zeros(per_row=host_tensor.dim() == 1)
+        slots = (self.row_of_slot >= 0).nonzero().view(-1)
+        records[slots] = host_tensor[self.row_of_slot[slots]]
+        self.host[key], self.cached[key] = host_tensor, records
+        return records
+
+    def plan(self, unique: Tensor) -> CachePlan:
+        plan = self.planner.plan(unique)
+        for key, host in self.host.items():
+            host[plan.evict_row] = self.cached[key][plan.evict_slot.long()]
+        self.row_of_slot[plan.evict_slot.long()] = -1
+        self._fetch(plan, ~plan.fetch_after_update)
+        if not self.lookahead:
+            self._fetch(plan, plan.fetch_after_update)
+        return plan
+
+    def finish(self, plan: CachePlan) -> None:
+        """The fetches that waited for the previous batch's update."""
+        if self.lookahead:
+            self._fetch(plan, plan.fetch_after_update)
+
+    def _fetch(self, plan, which):
+        rows, slots = plan.fetch_row[which], plan.fetch_slot[which].long()
+        for key, host in self.host.items():
+            self.cached[key][slots] = host[rows]
+        self.row_of_slot[slots] = rows
+
+    def rows(self, plan: CachePlan, unique: Tensor) -> Tensor:
+        """The batch's rows, unique[k]'s in row k: from its slot, or from
+        host memory for a row that bypassed the cache."""
+        cached = plan.slot >= 0
+        out = torch.empty(unique.numel(), self.table.dim, dtype=self.table.dtype)
+        out[cached] = self.records.tensor[plan.slot[cached].long()]
+        out[~cached] = self.table.tensor[unique[~cached]]
+        return out
+
+    def update(self, plan: CachePlan, unique: Tensor, kind: int, state_keys, indices: Tensor, values: Tensor,
+               **hyper) -> None:
+        """Optimizer `kind`'s update (_ops.sparse_update) of rows `indices`
+        (distinct, each among the batch's unique rows) with `values`: in
+        their slots, with the state attached under state_keys, or in host
+        memory for the rows that bypassed the cache."""
+        slots = plan.slot[torch.searchsorted(unique, indices)].long()
+        cached = slots >= 0
+        _ops.sparse_update(kind, self.records.tensor, {k: self.cached[k] for k in state_keys}, slots[cached],
+                           values[cached], **hyper)
+        _ops.sparse_update(kind, self.table.tensor, {k: self.host[k] for k in state_keys}, indices[~cached],
+                           values[~cached], **hyper)
+
+    def flush(self) -> None:
+        """Every cached record written back to its row (they stay cached)."""
+        slots = (self.row_of_slot >= 0).nonzero().view(-1)
+        for key, host in self.host.items():
+            host[self.row_of_slot[slots]] = self.cached[key][slots]
