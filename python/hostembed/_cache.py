@@ -104,6 +104,9 @@ class RowCache:
         return records
 
     def plan(self, unique: Tensor) -> CachePlan:
+        """The plan of the batch with these unique rows, its evictions and
+        fetches done (planned a step ahead, the flagged fetches wait for
+        finish())."""
         plan = self.planner.plan(unique)
         for key, host in self.host.items():
             host[plan.evict_row] = self.cached[key][plan.evict_slot.long()]
