@@ -80,6 +80,26 @@ static PyObject *heb_cache_plan(heb_cache *self, PyObject *args, PyObject *kwds)
     return Py_BuildValue("(LL)", (long long)plan.num_fetch, (long long)plan.num_evict);
 }
 
+static PyObject *heb_cache_slots_of(heb_cache *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"rows", "count", "slots", NULL};
+    HEB_ADDRESS(rows);
+    HEB_ADDRESS(slots);
+    long long count;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LO&:slots_of", kwlist, heb_address_converter, &rows, &count,
+                                     heb_address_converter, &slots))
+        return NULL;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    st = he_cache_slots_of(self->c, rows.ptr, count, slots.ptr);
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *heb_cache_stats(heb_cache *self, void *closure)
 {
     (void)closure;
@@ -106,6 +126,9 @@ static PyMethodDef heb_cache_methods[] = {
      "Plans a batch whose unique rows (num_unique ascending int64 at `unique`) must be cached: writes each "
      "row's slot (int32, -1: bypassed), the fetches (int64 rows, int32 slots, uint8 flags) and the evictions "
      "(int32 slots, int64 rows), each array room for num_unique -> (fetches, evictions)"},
+    {"slots_of", HEB_KW_FUNC(heb_cache_slots_of), METH_VARARGS | METH_KEYWORDS,
+     "slots_of(*, rows, count, slots)\n--\n\n"
+     "slots[i] (int32) = the slot holding rows[i] (int64), or -1; IndexError for a row outside the table"},
     {NULL, NULL, 0, NULL},
 };
 

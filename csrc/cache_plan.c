@@ -285,6 +285,17 @@ int32_t he_cache_slot_of(const he_cache *c, int64_t row)
     return row >= 0 && row < c->num_rows ? (int32_t)entry_slot_plus1(c->entry[row]) - 1 : -1;
 }
 
+he_status he_cache_slots_of(const he_cache *c, const int64_t *rows, int64_t n, int32_t *slots)
+{
+    for (int64_t i = 0; i < n; i++)
+        if ((uint64_t)rows[i] >= (uint64_t)c->num_rows)
+            return he_fail(HE_ERR_INDEX, "row %" PRId64 " at %" PRId64 " is not in [0, %" PRId64 ")", rows[i], i,
+                           c->num_rows);
+    for (int64_t i = 0; i < n; i++)
+        slots[i] = (int32_t)entry_slot_plus1(c->entry[rows[i]]) - 1;
+    return HE_OK;
+}
+
 int64_t he_cache_row_of(const he_cache *c, int32_t slot)
 {
     return slot >= 0 && slot < c->capacity ? c->row_of[slot] : -1;

@@ -85,6 +85,11 @@ he_status he_cache_plan_batch(he_cache *c, const int64_t *unique, int64_t num_un
 /* The slot holding `row`, or -1. */
 int32_t he_cache_slot_of(const he_cache *c, int64_t row);
 
+/* slots[i] = the slot holding rows[i], or -1: where an update of those rows
+ * goes now (a gradient may span batches planned since). HE_ERR_INDEX for a
+ * row outside the table, before anything is written. */
+he_status he_cache_slots_of(const he_cache *c, const int64_t *rows, int64_t n, int32_t *slots);
+
 /* The row in `slot`, or -1 (empty). */
 int64_t he_cache_row_of(const he_cache *c, int32_t slot);
 

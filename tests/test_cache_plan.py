@@ -146,7 +146,7 @@ def test_training_through_a_small_cache_gives_the_uncached_bits(name, lookahead)
         grad = torch.randn(unique.numel(), dim, generator=gen)
         step = dict(hyper, step=b + 1, maximize=False)
         _ops.sparse_update(kind, tables[0].tensor, states[0], unique, grad, **step)
-        cache.update(plan, unique, kind, list(layout), unique, grad, **step)
+        cache.update(kind, list(layout), unique, grad, **step)
         if lookahead and b + 1 < steps:
             cache.finish(plans[b + 1])
         elif b + 1 < steps:
@@ -157,3 +157,37 @@ def test_training_through_a_small_cache_gives_the_uncached_bits(name, lookahead)
         assert torch.equal(states[1][key], states[0][key]), key
     stats = cache.planner.stats
     assert stats["hits"] > 0 and stats["evictions"] > 0 and stats["bypassed"] > 0
+
+
+def test_a_gradient_spanning_batches_updates_rows_where_they_are_now():
+    # Two lookups before one step (weight.grad holds both batches): the
+    # second plan may evict rows of the first; the update finds each row
+    # in its slot or, written back, in host memory.
+    rows, dim = 400, 4
+    tables = [HostTable(rows, dim) for _ in range(2)]
+    init = torch.randn(rows, dim)
+    for t in tables:
+        t.tensor.copy_(init)
+    states = [{"exp_avg": t.zeros(), "exp_avg_sq": t.zeros()} for t in tables]
+    cache = RowCache(tables[1], 8)
+    for key in states[1]:
+        cache.attach_state(key, states[1][key])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 30):
+        first, second = _skewed_batch(gen, rows, 20), _skewed_batch(gen, rows, 20)
+        cache.plan(first)
+        cache.plan(second)
+        indices = torch.unique(torch.cat([first, second]))
+        grad = torch.randn(indices.numel(), dim, generator=gen)
+        hyper = dict(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, step=step, maximize=False)
+        _ops.sparse_update(_ops.ADAM, tables[0].tensor, states[0], indices, grad, **hyper)
+        cache.update(_ops.ADAM, ["exp_avg", "exp_avg_sq"], indices, grad, **hyper)
+    assert cache.planner.stats["evictions"] > 0
+    cache.flush()
+    assert torch.equal(tables[1].tensor, tables[0].tensor)
+    for key in states[0]:
+        assert torch.equal(states[1][key], states[0][key])
+    slots = cache.planner.slots_of(torch.tensor([0, rows - 1]))
+    assert slots.dtype == torch.int32 and all(-1 <= s < 8 for s in slots.tolist())
+    with pytest.raises(IndexError, match=f"row {rows} at 1 is not in"):
+        cache.planner.slots_of(torch.tensor([0, rows]))

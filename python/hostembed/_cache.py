@@ -45,6 +45,13 @@ class CachePlanner:
         planned), hits, fetches, evictions, bypassed."""
         return self._planner.stats
 
+    def slots_of(self, rows: Tensor) -> Tensor:
+        """The slot (int32) holding each of `rows` (int64, CPU) now, or -1."""
+        rows = rows.to(torch.int64).contiguous()
+        slots = torch.empty(rows.numel(), dtype=torch.int32)
+        self._planner.slots_of(rows=rows.data_ptr(), count=rows.numel(), slots=slots.data_ptr())
+        return slots
+
     def plan(self, unique: Tensor) -> CachePlan:
         """The plan of a batch whose unique rows are `unique` (a 1-D int64
         CPU tensor, ascending and distinct, as a Dedup gives them).
@@ -78,7 +85,8 @@ class RowCache:
 
     A batch: plan(unique) (evictions and fetches done, the flagged ones
     too unless lookahead), rows(plan, unique) for the forward, update(...)
-    for the optimizer's step. With lookahead, plan(next) may come before
+    for the optimizer's step, of rows wherever they are then (a gradient
+    may span several batches). With lookahead, plan(next) may come before
     the current batch's update; finish(next) then does the fetches that
     had to wait for it. flush() writes every record back; attach_state()
     brings an optimizer's state into the records (uncached rows' state
@@ -92,6 +100,10 @@ class RowCache:
         self.host = {"weight": table.tensor}
         self.cached = {"weight": self.records.tensor}
         self.row_of_slot = torch.full((capacity,), -1, dtype=torch.int64)
+        # Planned a step ahead: rows given a slot whose fetch waits for the
+        # previous batch's update; until finish(), that update is theirs in
+        # host memory.
+        self.pending = torch.empty(0, dtype=torch.int64)
 
     def attach_state(self, key: str, host_tensor: Tensor) -> Tensor:
         """An optimizer state tensor of the table ([num_rows, dim], or
@@ -112,7 +124,9 @@ class RowCache:
             host[plan.evict_row] = self.cached[key][plan.evict_slot.long()]
         self.row_of_slot[plan.evict_slot.long()] = -1
         self._fetch(plan, ~plan.fetch_after_update)
-        if not self.lookahead:
+        if self.lookahead:
+            self.pending = plan.fetch_row[plan.fetch_after_update]
+        else:
             self._fetch(plan, plan.fetch_after_update)
         return plan
 
@@ -120,6 +134,7 @@ class RowCache:
         """The fetches that waited for the previous batch's update."""
         if self.lookahead:
             self._fetch(plan, plan.fetch_after_update)
+            self.pending = self.pending[:0]
 
     def _fetch(self, plan, which):
         rows, slots = plan.fetch_row[which], plan.fetch_slot[which].long()
@@ -136,14 +151,12 @@ class RowCache:
         out[~cached] = self.table.tensor[unique[~cached]]
         return out
 
-    def update(self, plan: CachePlan, unique: Tensor, kind: int, state_keys, indices: Tensor, values: Tensor,
-               **hyper) -> None:
+    def update(self, kind: int, state_keys, indices: Tensor, values: Tensor, **hyper) -> None:
         """Optimizer `kind`'s update (_ops.sparse_update) of rows `indices`
-        (distinct, each among the batch's unique rows) with `values`: in
-        their slots, with the state attached under state_keys, or in host
-        memory for the rows that bypassed the cache."""
-        slots = plan.slot[torch.searchsorted(unique, indices)].long()
-        cached = slots >= 0
+        (distinct) with `values`: in their slots for the rows cached now,
+        with the state attached under state_keys, else in host memory."""
+        slots = self.planner.slots_of(indices).long()
+        cached = (slots >= 0) & ~torch.isin(indices, self.pending)
         _ops.sparse_update(kind, self.records.tensor, {k: self.cached[k] for k in state_keys}, slots[cached],
                            values[cached], **hyper)
         _ops.sparse_update(kind, self.table.tensor, {k: self.host[k] for k in state_keys}, indices[~cached],
