@@ -99,6 +99,9 @@ class RowCache:
         self.records = HostTable(capacity, table.dim, dtype=table.dtype, first_touch=False)
         self.host = {"weight": table.tensor}
         self.cached = {"weight": self.records.tensor}
+        # The row each record holds. Not the planner's map: planned a step
+        # ahead, a slot is the new row's as soon as it is planned, while its
+        # record still holds the old row's until the fetch (flush reads this).
         self.row_of_slot = torch.full((capacity,), -1, dtype=torch.int64)
         # Planned a step ahead: rows given a slot whose fetch waits for the
         # previous batch's update; until finish(), that update is theirs in
