@@ -146,7 +146,7 @@ def test_training_through_a_small_cache_gives_the_uncached_bits(name, lookahead)
         grad = torch.randn(unique.numel(), dim, generator=gen)
         step = dict(hyper, step=b + 1, maximize=False)
         _ops.sparse_update(kind, tables[0].tensor, states[0], unique, grad, **step)
-        cache.update(kind, list(layout), unique, grad, **step)
+        cache.update(kind, states[1], unique, grad, **step)
         if lookahead and b + 1 < steps:
             cache.finish(plans[b + 1])
         elif b + 1 < steps:
@@ -181,7 +181,7 @@ def test_a_gradient_spanning_batches_updates_rows_where_they_are_now():
         grad = torch.randn(indices.numel(), dim, generator=gen)
         hyper = dict(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, step=step, maximize=False)
         _ops.sparse_update(_ops.ADAM, tables[0].tensor, states[0], indices, grad, **hyper)
-        cache.update(_ops.ADAM, ["exp_avg", "exp_avg_sq"], indices, grad, **hyper)
+        cache.update(_ops.ADAM, states[1], indices, grad, **hyper)
     assert cache.planner.stats["evictions"] > 0
     cache.flush()
     assert torch.equal(tables[1].tensor, tables[0].tensor)

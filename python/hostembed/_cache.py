@@ -8,7 +8,11 @@ import torch
 from torch import Tensor
 
 from . import _C, _ops
-from ._table import HostTable
+from ._table import HostTable, table_of
+
+
+# The planner's limit (csrc/cache_plan.h: 28-bit slot numbers).
+MAX_CACHE_ROWS = 2**28 - 1
 
 
 class CachePlan(NamedTuple):
@@ -74,6 +78,11 @@ class CachePlanner:
                          evict_slot[:evictions], evict_row[:evictions])
 
 
+class CacheConflict(RuntimeError):
+    """A cached table's host rows (or state) were written in place while
+    its cache held updates that host memory did not have yet."""
+
+
 class RowCache:
     """A host table's rows, and their optimizer state, kept in `capacity`
     slots (records) and moved as the planner says: each batch's rows are
@@ -88,9 +97,15 @@ class RowCache:
     for the optimizer's step, of rows wherever they are then (a gradient
     may span several batches). With lookahead, plan(next) may come before
     the current batch's update; finish(next) then does the fetches that
-    had to wait for it. flush() writes every record back; attach_state()
-    brings an optimizer's state into the records (uncached rows' state
-    stays in host memory)."""
+    had to wait for it. flush() writes the records back.
+
+    Coherence with host memory, per tensor (the weight, each state tensor
+    an update brought in): an update makes the records newer ("dirty")
+    until a flush; a write to the host tensor through torch (its version
+    counter moves) or one announced with mark_stale() (loads, which write
+    without torch) makes host memory newer, and the records are re-read
+    from it at the next plan, update or flush. Both at once cannot be
+    resolved (CacheConflict)."""
 
     def __init__(self, table, capacity: int, *, lookahead: bool = False):
         self.table = table
@@ -99,6 +114,8 @@ class RowCache:
         self.records = HostTable(capacity, table.dim, dtype=table.dtype, first_touch=False)
         self.host = {"weight": table.tensor}
         self.cached = {"weight": self.records.tensor}
+        self.version = {"weight": table.tensor._version}
+        self.dirty, self.stale = set(), set()
         # The row each record holds. Not the planner's map: planned a step
         # ahead, a slot is the new row's as soon as it is planned, while its
         # record still holds the old row's until the fetch (flush reads this).
@@ -107,25 +124,94 @@ class RowCache:
         # previous batch's update; until finish(), that update is theirs in
         # host memory.
         self.pending = torch.empty(0, dtype=torch.int64)
+        self.moved = {"fetched_bytes": 0, "written_back_bytes": 0}
+
+    @property
+    def capacity(self) -> int:
+        return self.planner.capacity
+
+    @property
+    def stats(self) -> dict:
+        """The planner's counts (batches, rows, hits, fetches, evictions,
+        bypassed), and the bytes the records moved: fetched (into slots)
+        and written back (evictions and flushes)."""
+        return {**self.planner.stats, **self.moved}
+
+    def _live_slots(self):
+        return (self.row_of_slot >= 0).nonzero().view(-1)
+
+    def _record_bytes(self):
+        return sum(t[:1].nbytes for t in self.cached.values())
+
+    def _sync(self):
+        """Re-reads the records of every host tensor written since the
+        cache last saw it (see the class)."""
+        for key, host in self.host.items():
+            if key not in self.stale and host._version == self.version[key]:
+                continue
+            if key in self.dirty and key not in self.stale:
+                raise CacheConflict(
+                    f"hostembed: the {'rows' if key == 'weight' else repr(key) + ' state'} of a table with a row "
+                    "cache were written in place while the cache held updates not yet in host memory; which values "
+                    "are meant cannot be told. Write the weight through the module's `weight` attribute (reading "
+                    "it writes the cache back first), or call flush_cache() before writing through a reference "
+                    "kept from earlier")
+            slots = self._live_slots()
+            self.cached[key][slots] = host[self.row_of_slot[slots]]
+            self.stale.discard(key)
+            self.dirty.discard(key)
+            self.version[key] = host._version
+
+    def _seen(self):
+        """Our own writes of host tensors (write-backs) are not news."""
+        for key, host in self.host.items():
+            self.version[key] = host._version
+
+    def mark_stale(self, key: str = "weight") -> None:
+        """Host memory of `key` was rewritten whole, by a write torch does
+        not see (a load): the records are re-read from it, and their own
+        updates, superseded, are dropped."""
+        if key in self.host:
+            self.stale.add(key)
+            self.dirty.discard(key)
 
     def attach_state(self, key: str, host_tensor: Tensor) -> Tensor:
         """An optimizer state tensor of the table ([num_rows, dim], or
         [num_rows] per row) kept with the rows from now on: its cached
-        rows' values are copied into new records. Returns those records."""
+        rows' values are copied into new records (a tensor attached before
+        under that key gets its own updates back first). Returns those
+        records."""
+        self._sync()
+        if key in self.dirty:
+            self.flush((key,))
         records = self.records.zeros(per_row=host_tensor.dim() == 1)
-        slots = (self.row_of_slot >= 0).nonzero().view(-1)
+        slots = self._live_slots()
         records[slots] = host_tensor[self.row_of_slot[slots]]
         self.host[key], self.cached[key] = host_tensor, records
+        self.version[key] = host_tensor._version
         return records
+
+    def detach_state(self) -> None:
+        """Forgets every state tensor, its records unwritten: a load of the
+        optimizer's state supersedes them (the next update attaches what
+        it loaded)."""
+        for key in [k for k in self.host if k != "weight"]:
+            del self.host[key], self.cached[key], self.version[key]
+            self.dirty.discard(key)
+            self.stale.discard(key)
 
     def plan(self, unique: Tensor) -> CachePlan:
         """The plan of the batch with these unique rows, its evictions and
         fetches done (planned a step ahead, the flagged fetches wait for
         finish())."""
+        self._sync()
         plan = self.planner.plan(unique)
+        evict_slot = plan.evict_slot.long()
         for key, host in self.host.items():
-            host[plan.evict_row] = self.cached[key][plan.evict_slot.long()]
-        self.row_of_slot[plan.evict_slot.long()] = -1
+            host[plan.evict_row] = self.cached[key][evict_slot]
+        self.moved["written_back_bytes"] += plan.evict_row.numel() * self._record_bytes()
+        self._seen()
+        self.row_of_slot[evict_slot] = -1
         self._fetch(plan, ~plan.fetch_after_update)
         if self.lookahead:
             self.pending = plan.fetch_row[plan.fetch_after_update]
@@ -144,6 +230,7 @@ class RowCache:
         for key, host in self.host.items():
             self.cached[key][slots] = host[rows]
         self.row_of_slot[slots] = rows
+        self.moved["fetched_bytes"] += rows.numel() * self._record_bytes()
 
     def rows(self, plan: CachePlan, unique: Tensor) -> Tensor:
         """The batch's rows, unique[k]'s in row k: from its slot, or from
@@ -154,19 +241,55 @@ class RowCache:
         out[~cached] = self.table.tensor[unique[~cached]]
         return out
 
-    def update(self, kind: int, state_keys, indices: Tensor, values: Tensor, **hyper) -> None:
-        """Optimizer `kind`'s update (_ops.sparse_update) of rows `indices`
-        (distinct) with `values`: in their slots for the rows cached now,
-        with the state attached under state_keys, else in host memory."""
+    def update(self, kind: int, state: dict, indices: Tensor, values: Tensor, **hyper) -> None:
+        """Optimizer `kind`'s update (_ops.update_rows) of rows `indices`
+        (repeats summed) with `values`, of the weight and the state tensors
+        `state` (name: host tensor, attached here if new): in their slots
+        for the rows cached now, else in host memory. An index outside the
+        table raises IndexError before anything is written."""
         slots = self.planner.slots_of(indices).long()
+        self._sync()
+        for key, tensor in state.items():
+            if self.host.get(key) is not tensor:
+                self.attach_state(key, tensor)
         cached = (slots >= 0) & ~torch.isin(indices, self.pending)
-        _ops.sparse_update(kind, self.records.tensor, {k: self.cached[k] for k in state_keys}, slots[cached],
-                           values[cached], **hyper)
-        _ops.sparse_update(kind, self.table.tensor, {k: self.host[k] for k in state_keys}, indices[~cached],
-                           values[~cached], **hyper)
+        _ops.update_rows(kind, self.records, {k: self.cached[k] for k in state}, slots[cached], values[cached],
+                         **hyper)
+        _ops.update_rows(kind, self.table, state, indices[~cached], values[~cached], **hyper)
+        self.dirty.update(("weight", *state))
 
-    def flush(self) -> None:
-        """Every cached record written back to its row (they stay cached)."""
-        slots = (self.row_of_slot >= 0).nonzero().view(-1)
-        for key, host in self.host.items():
-            host[self.row_of_slot[slots]] = self.cached[key][slots]
+    def flush(self, keys=None) -> None:
+        """The records of `keys` (all by default) written back to their
+        rows; they stay cached."""
+        self._sync()
+        slots = self._live_slots()
+        for key in self.host if keys is None else keys:
+            if key in self.dirty:
+                self.host[key][self.row_of_slot[slots]] = self.cached[key][slots]
+                self.moved["written_back_bytes"] += slots.numel() * self.cached[key][:1].nbytes
+                self.dirty.discard(key)
+        self._seen()
+
+
+def _cached_tables(optimizer):
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            table = table_of(p)
+            if table is not None and table.cache is not None:
+                yield table
+
+
+def flush_optimizer_tables(optimizer) -> None:
+    """Writes back the rows and state cached for the optimizer's tables:
+    its state_dict() then holds the current values."""
+    for table in _cached_tables(optimizer):
+        with table.lock:
+            table.cache.flush()
+
+
+def forget_optimizer_state(optimizer) -> None:
+    """The cached state of the optimizer's tables dropped, unwritten: a load
+    of its state supersedes it."""
+    for table in _cached_tables(optimizer):
+        with table.lock:
+            table.cache.detach_state()

@@ -12,6 +12,7 @@ from . import _validate
 from ._cuda import require_cuda, resolve_device, unavailable_reason
 from ._files import FileRows, open_table
 from ._stream import copy_rows, read_rows
+from ._cache import RowCache
 from ._table import HostTable, check_table_dtype, dtype_name
 
 # _weight value that leaves a new table zeroed instead of drawing N(0, 1):
@@ -51,7 +52,7 @@ class HostTableModule:
     """Mixin before nn.Embedding / nn.EmbeddingBag in the bases: every
     method that touches the weight goes to the host table."""
 
-    def _init_table(self, num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype):
+    def _init_table(self, num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype, cache_rows=None):
         name = self._get_name()
         # torch's: the default dtype when none is given.
         dtype = torch.get_default_dtype() if dtype is None else dtype
@@ -88,6 +89,50 @@ class HostTableModule:
             self.reset_parameters()  # torch's: the same draws as torch for the same seed
         elif _weight is not _UNINITIALISED:
             copy_rows(self.weight.data, _weight)
+        self._cache_rows = cache_rows
+        self._make_cache()
+
+    # ---- the row cache (Embedding(cache_rows=N))
+
+    def _make_cache(self) -> None:
+        """A new, empty row cache for the table, if the module has one."""
+        table = self._table
+        table.planned = None
+        table.cache = None
+        if self._cache_rows and table.num_rows:
+            table.cache = RowCache(table, min(self._cache_rows, table.num_rows), lookahead=True)
+
+    @property
+    def cache_rows(self):
+        """The rows the module's row cache holds at most (None: no cache)."""
+        return self._cache_rows
+
+    @property
+    def cache_stats(self):
+        """The row cache's counts since the module was built (None without a
+        cache): batches; rows (unique rows looked up), hits (found in the
+        cache), fetches (misses brought in), bypassed (misses read and
+        updated in host memory); evictions; fetched_bytes and
+        written_back_bytes (records moved: a row and its optimizer state)."""
+        cache = self._table.cache
+        return None if cache is None else cache.stats
+
+    def flush_cache(self) -> None:
+        """Writes every row and optimizer state the cache holds newer than
+        host memory back to it. Reading the module's ``weight``,
+        ``state_dict()``, ``hostembed.save`` and the optimizers'
+        ``state_dict()`` do it themselves; call it before reading the table
+        or an optimizer's ``state`` through references kept from earlier."""
+        cache = self._table.cache
+        if cache is not None:
+            with self._table.lock:
+                cache.flush()
+
+    def _flush_weight(self) -> None:
+        cache = self._table.cache
+        if cache is not None and "weight" in cache.dirty:
+            with self._table.lock:
+                cache.flush(("weight",))
 
     def _fill_from(self, source, progress):
         """Copies from_pretrained's source (pretrained_source) into the table."""
@@ -115,6 +160,9 @@ class HostTableModule:
     def stochastic_rounding(self, value: bool) -> None:
         if not isinstance(value, bool):
             raise TypeError(f"stochastic_rounding must be a bool, got {type(value).__name__}")
+        if value and self._table.cache is not None:
+            raise ValueError(f"{self._get_name()}: stochastic rounding draws per row in host memory, which a row "
+                             "cache's records cannot repeat bit for bit; build the module without cache_rows")
         if value and not self._table.seed:
             self._table.seed = int(torch.randint(1, 2**62, (1,)).item())
         self._table.stochastic_rounding = value
@@ -125,10 +173,12 @@ class HostTableModule:
         weight pointed at them. Optimizer state converts at the optimizer's
         next step."""
         weight = self._parameters["weight"]
+        self.flush_cache()  # rows and state; the cache starts anew in the new dtype
         new = self._table.retype(dtype, lambda dst, src, release: copy_rows(
             dst, src, release_source=release, desc=f"casting to {dtype}"))
         weight.data = new
         self._table.bind(weight)
+        self._make_cache()
 
     @property
     def output_device(self) -> torch.device:
@@ -144,7 +194,7 @@ class HostTableModule:
         weight = self._parameters["weight"]
         if not table.views(weight):
             self._adopt(weight)
-        if self._output_device.type == "cuda" and table.kernels_read_it:
+        if self._output_device.type == "cuda" and table.kernels_read_it and table.cache is None:
             table.device_address(weight, resolve_device(self._output_device))
 
     def _adopt(self, weight) -> None:
@@ -172,10 +222,13 @@ class HostTableModule:
     def __getattr__(self, name):
         # In a forked child (a DataLoader worker) the table's memory is not
         # there: say so rather than hand out a weight that cannot be read.
+        # With a row cache, the weight read is the current one: the cache's
+        # newer rows are written back first.
         if name == "weight" and not torch.compiler.is_compiling():
             table = self.__dict__.get("_table")
             if table is not None:
                 table.check_process()
+                self._flush_weight()
         return super().__getattr__(name)
 
     def __deepcopy__(self, memo):
@@ -186,6 +239,7 @@ class HostTableModule:
         memo[id(self)] = new
         weight = self._parameters["weight"]
         self._table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
+        self._flush_weight()
         for key, value in self.__dict__.items():
             if key not in ("_table", "_parameters"):
                 new.__dict__[key] = copy.deepcopy(value, memo)
@@ -197,6 +251,7 @@ class HostTableModule:
         new.__dict__["_table"] = table
         new.__dict__["_parameters"] = {"weight": param}
         table.bind(param)
+        new._make_cache()
         return new
 
     def __getstate__(self):
@@ -204,6 +259,7 @@ class HostTableModule:
         # goes as a tensor, the table's memory objects do not; unpickling
         # builds a new table from it.
         self._table.wait_for_gpu_use()
+        self._flush_weight()
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
         state.pop("_table", None)
@@ -218,6 +274,8 @@ class HostTableModule:
         self._parameters["weight"] = param
         self.__dict__["_table"] = table
         table.bind(param)
+        self.__dict__.setdefault("_cache_rows", None)
+        self._make_cache()
 
     def _apply(self, fn, *args, **kwargs):
         # .to()/.cuda()/.cpu()/.half() arrive here as fn over every tensor.
@@ -251,6 +309,7 @@ class HostTableModule:
         # away: a max_norm renorm kernel of the last GPU lookup may still be
         # writing rows.
         self._table.wait_for_gpu_use()
+        self._flush_weight()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -341,19 +341,38 @@ def sparse_update(kind: int, weight: Tensor, state, indices: Tensor, values: Ten
     `values`, in place, by the core's threads. Repeated indices are summed
     first; an index outside the table raises before anything is written.
     state: the optimizer's state tensors by name, in the core's order, each
-    a buffer of the weight's table (HostTable.zeros)."""
+    a buffer of the weight's table (HostTable.zeros). A table with a row
+    cache updates its cached rows in their records (_cache.RowCache)."""
     name = _OPTIMIZER_NAMES[kind]
     table = host_table_of(weight, name)
-    buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
+    for key, tensor in state.items():
+        table.buffer_of(tensor, f"{name}'s {key}")
     indices, values = _row_gradient(table, indices, values, "cpu", name)
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
+                 weight_decay=weight_decay)
+    if table.cache is not None:
+        with table.lock:
+            table.cache.update(kind, state, indices, values, **hyper)
+        return
     with table.lock:
-        table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
-        _C.sparse_update(kind=kind, weight=table.buffer, state=buffers, num_rows=table.num_rows, dim=table.dim,
-                         indices=_address(indices), values=_address(values), nnz=indices.numel(), lr=lr,
-                         beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
-                         weight_decay=weight_decay, dtype=table.code, values_dtype=DTYPE_CODES[values.dtype],
-                         stochastic_rounding=table.stochastic_rounding, seed=table.seed)
-        table.rows_changed(indices)
+        update_rows(kind, table, state, indices, values, **hyper)
+
+
+def update_rows(kind: int, table, state, indices: Tensor, values: Tensor, *, lr: float, step: int, maximize: bool,
+                beta1: float = 0.0, beta2: float = 0.0, eps: float = 0.0, lr_decay: float = 0.0,
+                weight_decay: float = 0.0) -> None:
+    """sparse_update of `table` (a HostTable) by the core, its arguments
+    checked (or, from a row cache, split from checked ones); the caller
+    holds table.lock."""
+    name = _OPTIMIZER_NAMES[kind]
+    buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
+    table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
+    _C.sparse_update(kind=kind, weight=table.buffer, state=buffers, num_rows=table.num_rows, dim=table.dim,
+                     indices=_address(indices), values=_address(values), nnz=indices.numel(), lr=lr,
+                     beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
+                     weight_decay=weight_decay, dtype=table.code, values_dtype=DTYPE_CODES[values.dtype],
+                     stochastic_rounding=table.stochastic_rounding, seed=table.seed)
+    table.rows_changed(indices)
 
 
 @_custom_op("hostembed::sparse_adam_", mutates_args=("weight", "exp_avg", "exp_avg_sq"))
@@ -421,6 +440,13 @@ def sparse_update_fused(kind: int, weight: Tensor, state, gradient, *, lr: float
     sparse_update. Eager only (the fused mode, _fused.py)."""
     name = _OPTIMIZER_NAMES[kind]
     table = host_table_of(weight, name)
+    if table.cache is not None:
+        # Rows in records and rows in host memory: the unfused reduce,
+        # then the cache's update (the same bits).
+        indices, values = reduce_to_host(table, gradient)
+        sparse_update(kind, weight, state, indices, values, lr=lr, step=step, maximize=maximize, beta1=beta1,
+                      beta2=beta2, eps=eps, lr_decay=lr_decay, weight_decay=weight_decay)
+        return
     buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
     ids = gradient.ids.reshape(-1).contiguous()
     rows, bags, _weights = _gradient_rows(gradient.grad, ids, table.dim, gradient.pooling,

@@ -192,6 +192,10 @@ class HostTable:
         # and what the last lookup that found one did with it.
         self.prefetch = None
         self.prefetch_outcome = None
+        # The table's row cache (_cache.RowCache; Embedding(cache_rows=N)),
+        # or None, and the batch prefetch() planned for it (_lookup_cached).
+        self.cache = None
+        self.planned = None
         # Held by every op around its work on the rows or the state (CPU
         # core calls, and GPU launches with the waits that order them), so
         # that each op is atomic relative to the others: a lookup in one
@@ -319,7 +323,10 @@ class HostTable:
     def rows_changed(self, rows=None):
         """Called by whatever writes the rows (the ops, loads): `rows` the
         ids written (a tensor, repeats allowed), None for any. An
-        outstanding prefetch re-reads them, or is dropped (None)."""
+        outstanding prefetch re-reads them, or is dropped (None); None also
+        makes the row cache re-read its records."""
+        if rows is None and self.cache is not None:
+            self.cache.mark_stale()
         prefetch = self.prefetch
         if prefetch is not None:
             prefetch.changed.append(None if rows is None or rows.device.type != "cpu"

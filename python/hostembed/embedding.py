@@ -2,11 +2,12 @@
 import torch
 from torch import nn
 
-from . import _lookup_cpu, _lookup_gpu, _ops
+from . import _lookup_cached, _lookup_cpu, _lookup_gpu, _ops
 from ._host_module import _UNINITIALISED, HostTableModule, padding_index, pretrained_source
 from ._table import check_table_dtype
 from ._ids import prepare_ids
 from ._prefetch import Prefetch
+from ._cache import MAX_CACHE_ROWS
 
 
 class Embedding(HostTableModule, nn.Embedding):
@@ -39,17 +40,34 @@ class Embedding(HostTableModule, nn.Embedding):
 
     Train it with :class:`hostembed.SparseAdam`, which updates the table and
     its state in place in the C core.
+
+    ``cache_rows`` (keyword-only, default None): keep up to that many rows,
+    with their optimizer state, in a cache (records of a row and its
+    state): rows found there are read and updated there, misses are
+    brought in or, when the policy turns them away, read and updated in
+    host memory, and rows leaving it are written back. Training gives the
+    same bits as without it. Reading ``weight``, ``state_dict()``,
+    ``hostembed.save`` and the optimizers' ``state_dict()`` write the
+    cache back first; references to the weight or to optimizer state kept
+    from earlier see host memory (``flush_cache()`` brings it up to date).
+    ``cache_stats`` counts hits, misses and bytes moved. The cache's
+    lookups run eagerly (a graph break under torch.compile); max_norm and
+    stochastic rounding are refused with it. Its records are in host
+    memory for now, so it saves nothing yet; the planner and the
+    executor are the ones a GPU cache will run.
     """
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, max_norm=None, norm_type=2.0,
-                 scale_grad_by_freq=False, sparse=True, _weight=None, _freeze=False, device=None, dtype=None):
+                 scale_grad_by_freq=False, sparse=True, _weight=None, _freeze=False, device=None, dtype=None, *,
+                 cache_rows=None):
         # nn.Module's, not nn.Embedding's: that one would allocate a table.
         nn.Module.__init__(self)
         self.padding_idx = padding_index(padding_idx, num_embeddings)
         self.max_norm = max_norm
         self.norm_type = norm_type
         self.scale_grad_by_freq = scale_grad_by_freq
-        self._init_table(num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype)
+        _check_cache_rows(cache_rows, max_norm)
+        self._init_table(num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype, cache_rows)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         compiling = torch.compiler.is_compiling()
@@ -57,6 +75,9 @@ class Embedding(HostTableModule, nn.Embedding):
             # Eager bookkeeping; the ops check the same facts at run time,
             # compiled or not.
             self._prepare_weight()
+        if self._table.cache is not None:
+            self._last_lookup_path = "cache"
+            return _lookup_cached.lookup(self, input)
         gpu = self._output_device.type == "cuda" and self._table.kernels_read_it
         out = (_lookup_gpu if gpu else _lookup_cpu).lookup(self, input)
         if not compiling:
@@ -77,8 +98,17 @@ class Embedding(HostTableModule, nn.Embedding):
         CPU outputs only for now (NotImplementedError for GPU outputs). With
         max_norm, rows are renormed at lookup time, so there is nothing to
         prefetch, and the call does nothing.
+
+        With a row cache (any output device), it plans the batch of `ids`
+        in the cache and brings in its rows, those this step's update
+        changes in host memory excepted (the lookup brings them in after
+        the update); the lookup of those ids then finds its rows in place.
         """
         self._prepare_weight()
+        if self._table.cache is not None:
+            if self.max_norm is None:
+                _lookup_cached.plan_ahead(self._table, ids)
+            return
         if self._output_device.type != "cpu":
             raise NotImplementedError(
                 f"hostembed.Embedding.prefetch: implemented for CPU outputs; this module's outputs are on "
@@ -95,7 +125,7 @@ class Embedding(HostTableModule, nn.Embedding):
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, max_norm=None, norm_type=2.0,
-                        scale_grad_by_freq=False, sparse=True, *, key=None, progress=None):
+                        scale_grad_by_freq=False, sparse=True, *, key=None, progress=None, cache_rows=None):
         """A new host table holding the rows of `embeddings` (torch's signature, plus file loading).
 
         embeddings: a 2-D tensor, or a path (str or os.PathLike) to a file:
@@ -108,7 +138,7 @@ class Embedding(HostTableModule, nn.Embedding):
         Rows stream into the table in bounded chunks, so loading needs the
         table's memory plus a few chunks, never the file's size again.
         progress: show a tqdm bar (None: for files of 1 GiB and more, on a
-        terminal).
+        terminal). cache_rows: as the constructor's.
         """
         source = pretrained_source(embeddings, key)
         rows, cols = source.shape
@@ -116,6 +146,18 @@ class Embedding(HostTableModule, nn.Embedding):
         emb = cls(num_embeddings=rows, embedding_dim=cols, _weight=_UNINITIALISED, _freeze=freeze,
                   dtype=source.dtype,
                   padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
-                  scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+                  scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, cache_rows=cache_rows)
         emb._fill_from(source, progress)
         return emb
+
+
+def _check_cache_rows(cache_rows, max_norm):
+    if cache_rows is None:
+        return
+    if isinstance(cache_rows, bool) or not isinstance(cache_rows, int):
+        raise TypeError(f"hostembed.Embedding: cache_rows must be an int or None, got {type(cache_rows).__name__}")
+    if not 1 <= cache_rows < MAX_CACHE_ROWS:
+        raise ValueError(f"hostembed.Embedding: cache_rows must be in [1, {MAX_CACHE_ROWS}), got {cache_rows}")
+    if max_norm is not None:
+        raise ValueError("hostembed.Embedding: max_norm renorms rows in host memory at each lookup, which a row "
+                         "cache cannot do; use one or the other")

@@ -6,6 +6,7 @@ import torch
 from torch.optim import _functional as torch_functional
 
 from . import _fused, _ops, _validate
+from ._cache import flush_optimizer_tables, forget_optimizer_state
 from ._lookup_gpu import take_grad_twin
 from ._stream import copy_rows
 from ._table import table_of
@@ -242,6 +243,11 @@ class SparseAdam(torch.optim.SparseAdam):
             exp_avg, exp_avg_sq = owned_state(table, exp_avg), owned_state(table, exp_avg_sq)
         return exp_avg, exp_avg_sq, step
 
+    def state_dict(self):
+        # A cached table's newest state may be in its cache's records.
+        flush_optimizer_tables(self)
+        return super().state_dict()
+
     def load_state_dict(self, state_dict):
         """torch's load_state_dict, all or nothing, with the state of host
         tables copied into core-owned memory (in row chunks: a
@@ -395,6 +401,7 @@ class _LoadPlan:
 
     def copy_in_place(self):
         """Overwrites the moments the optimizer already holds."""
+        forget_optimizer_state(self.optimizer)
         done = []
         for moment in self.moments:
             if not moment.in_place:
@@ -413,6 +420,7 @@ class _LoadPlan:
     def install(self):
         if not self.staged:
             raise RuntimeError("SparseAdam: a load plan must be staged before it is installed")
+        forget_optimizer_state(self.optimizer)
         state = {saved_id: dict(entry) for saved_id, entry in self.state.items()}
         for moment in self.moments:
             state[moment.saved_id][moment.key] = moment.destination

@@ -19,6 +19,7 @@ parameters it keeps torch's meaning (its fused kernels).
 import torch
 
 from . import _fused, _ops, _validate
+from ._cache import flush_optimizer_tables, forget_optimizer_state
 from ._lookup_gpu import take_grad_twin
 from ._stream import copy_rows
 from ._table import table_of
@@ -147,6 +148,11 @@ class _HostStep:
                 self.param_groups.pop()
                 raise
 
+    def state_dict(self):
+        # A cached table's newest state may be in its cache's records.
+        flush_optimizer_tables(self)
+        return super().state_dict()
+
     def load_state_dict(self, state_dict):
         """torch's load_state_dict, after checking everything it reads (the
         layout, each group's hyperparameters, each parameter's state), so a
@@ -172,6 +178,7 @@ class _HostStep:
                       for key, value in (state_dict["state"].get(saved_id) or {}).items()
                       if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()]
         super().load_state_dict(state_dict)
+        forget_optimizer_state(self)
         for p, key, value in host_state:
             self.state[p][key] = value.to(device="cpu", dtype=table_of(p).state_dtype)
 
