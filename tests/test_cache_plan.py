@@ -191,3 +191,20 @@ def test_a_gradient_spanning_batches_updates_rows_where_they_are_now():
     assert slots.dtype == torch.int32 and all(-1 <= s < 8 for s in slots.tolist())
     with pytest.raises(IndexError, match=f"row {rows} at 1 is not in"):
         cache.planner.slots_of(torch.tensor([0, rows]))
+
+
+def test_host_rows_rewritten_unseen_by_torch_are_reread_once_marked_stale():
+    # A load writes host memory without torch (pread): the cache re-reads
+    # its records when told (HostTable.rows_changed(None) tells it).
+    table = HostTable(50, 4)
+    table.tensor.copy_(torch.randn(50, 4))
+    cache = table.cache = RowCache(table, 8)
+    unique = torch.tensor([1, 5, 7])
+    cache.plan(unique)
+    new = torch.randn(50, 4)
+    table.tensor.data.copy_(new)  # .data: the version counter does not move
+    plan = cache.plan(unique)
+    assert not torch.equal(cache.rows(plan, unique), new[unique])  # the records, as they were
+    table.rows_changed(None)
+    plan = cache.plan(unique)
+    assert torch.equal(cache.rows(plan, unique), new[unique])

@@ -401,7 +401,6 @@ class _LoadPlan:
 
     def copy_in_place(self):
         """Overwrites the moments the optimizer already holds."""
-        forget_optimizer_state(self.optimizer)
         done = []
         for moment in self.moments:
             if not moment.in_place:
@@ -420,6 +419,8 @@ class _LoadPlan:
     def install(self):
         if not self.staged:
             raise RuntimeError("SparseAdam: a load plan must be staged before it is installed")
+        # The loaded state supersedes what a row cache holds (the next
+        # update brings the loaded values in).
         forget_optimizer_state(self.optimizer)
         state = {saved_id: dict(entry) for saved_id, entry in self.state.items()}
         for moment in self.moments:
