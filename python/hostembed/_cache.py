@@ -2,6 +2,7 @@
 its arrays wrapped in tensors), which says which of a table's rows sit in
 which slot of a cache (records holding a row and its optimizer state) and
 what each batch must move, and RowCache, which carries the plans out."""
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -90,7 +91,9 @@ class RowCache:
     the cache, and the results are bit for bit the uncached table's. The
     records are host memory (a HostTable of `capacity` rows, updated by
     the same core), which keeps the executor's logic, and the order of its
-    moves, testable on the CPU.
+    moves, testable on the CPU; or (device a GPU, float32 tables) GPU
+    memory, where SparseAdam updates them with the GPU kernel (another
+    optimizer's first update moves them to host memory, with a warning).
 
     A batch: plan(unique) (evictions and fetches done, the flagged ones
     too unless lookahead), rows(plan, unique) for the forward, update(...)
@@ -107,13 +110,19 @@ class RowCache:
     from it at the next plan, update or flush. Both at once cannot be
     resolved (CacheConflict)."""
 
-    def __init__(self, table, capacity: int, *, lookahead: bool = False):
+    def __init__(self, table, capacity: int, *, lookahead: bool = False, device="cpu"):
         self.table = table
         self.lookahead = lookahead
+        self.device = torch.device(device)
+        if self.device.type != "cpu" and table.dtype != torch.float32:
+            raise ValueError(f"hostembed: a row cache in GPU memory takes float32 tables (its kernels do), not "
+                             f"{table.dtype}")
         self.planner = CachePlanner(table.num_rows, capacity, lookahead=lookahead)
-        self.records = HostTable(capacity, table.dim, dtype=table.dtype, first_touch=False)
+        # The records' HostTable when they are in host memory (the core
+        # updates them as a table of `capacity` rows), else None.
+        self.records = None
         self.host = {"weight": table.tensor}
-        self.cached = {"weight": self.records.tensor}
+        self.cached = {"weight": self._new_records(weight=True)}
         self.version = {"weight": table.tensor._version}
         self.dirty, self.stale = set(), set()
         # The row each record holds. Not the planner's map: planned a step
@@ -137,6 +146,19 @@ class RowCache:
         and written back (evictions and flushes)."""
         return {**self.planner.stats, **self.moved}
 
+    def _new_records(self, *, weight=False, per_row=False):
+        """Records for the weight (in the table's dtype; made first), or
+        zeroed ones for a state tensor (in its compute dtype; per_row: a
+        value per row)."""
+        capacity, dim = self.capacity, self.table.dim
+        if self.device.type == "cpu":
+            if weight:
+                self.records = HostTable(capacity, dim, dtype=self.table.dtype, first_touch=False)
+                return self.records.tensor
+            return self.records.zeros(per_row=per_row)
+        return torch.zeros((capacity,) if per_row else (capacity, dim),
+                           dtype=self.table.dtype if weight else self.table.state_dtype, device=self.device)
+
     def _live_slots(self):
         return (self.row_of_slot >= 0).nonzero().view(-1)
 
@@ -157,7 +179,7 @@ class RowCache:
                     "it writes the cache back first), or call flush_cache() before writing through a reference "
                     "kept from earlier")
             slots = self._live_slots()
-            self.cached[key][slots] = host[self.row_of_slot[slots]]
+            self.cached[key][slots.to(self.device)] = host[self.row_of_slot[slots]].to(self.device)
             self.stale.discard(key)
             self.dirty.discard(key)
             self.version[key] = host._version
@@ -184,9 +206,9 @@ class RowCache:
         self._sync()
         if key in self.dirty:
             self.flush((key,))
-        records = self.records.zeros(per_row=host_tensor.dim() == 1)
+        records = self._new_records(per_row=host_tensor.dim() == 1)
         slots = self._live_slots()
-        records[slots] = host_tensor[self.row_of_slot[slots]]
+        records[slots.to(self.device)] = host_tensor[self.row_of_slot[slots]].to(self.device)
         self.host[key], self.cached[key] = host_tensor, records
         self.version[key] = host_tensor._version
         return records
@@ -208,7 +230,7 @@ class RowCache:
         plan = self.planner.plan(unique)
         evict_slot = plan.evict_slot.long()
         for key, host in self.host.items():
-            host[plan.evict_row] = self.cached[key][evict_slot]
+            host[plan.evict_row] = self.cached[key][evict_slot.to(self.device)].cpu()
         self.moved["written_back_bytes"] += plan.evict_row.numel() * self._record_bytes()
         self._seen()
         self.row_of_slot[evict_slot] = -1
@@ -228,7 +250,7 @@ class RowCache:
     def _fetch(self, plan, which):
         rows, slots = plan.fetch_row[which], plan.fetch_slot[which].long()
         for key, host in self.host.items():
-            self.cached[key][slots] = host[rows]
+            self.cached[key][slots.to(self.device)] = host[rows].to(self.device)
         self.row_of_slot[slots] = rows
         self.moved["fetched_bytes"] += rows.numel() * self._record_bytes()
 
@@ -236,9 +258,10 @@ class RowCache:
         """The batch's rows, unique[k]'s in row k: from its slot, or from
         host memory for a row that bypassed the cache."""
         cached = plan.slot >= 0
-        out = torch.empty(unique.numel(), self.table.dim, dtype=self.table.dtype)
-        out[cached] = self.records.tensor[plan.slot[cached].long()]
-        out[~cached] = self.table.tensor[unique[~cached]]
+        out = torch.empty(unique.numel(), self.table.dim, dtype=self.table.dtype, device=self.device)
+        mask = cached.to(self.device)
+        out[mask] = self.cached["weight"][plan.slot[cached].long().to(self.device)]
+        out[~mask] = self.table.tensor[unique[~cached]].to(self.device)
         return out
 
     def update(self, kind: int, state: dict, indices: Tensor, values: Tensor, **hyper) -> None:
@@ -247,16 +270,46 @@ class RowCache:
         `state` (name: host tensor, attached here if new): in their slots
         for the rows cached now, else in host memory. An index outside the
         table raises IndexError before anything is written."""
-        slots = self.planner.slots_of(indices).long()
+        host_indices = indices.cpu()
+        slots = self.planner.slots_of(host_indices).long()
+        if self.device.type != "cpu" and kind != _ops.ADAM:
+            self._move_records_to_host(_ops.optimizer_name(kind))
         self._sync()
         for key, tensor in state.items():
             if self.host.get(key) is not tensor:
                 self.attach_state(key, tensor)
-        cached = (slots >= 0) & ~torch.isin(indices, self.pending)
-        _ops.update_rows(kind, self.records, {k: self.cached[k] for k in state}, slots[cached], values[cached],
-                         **hyper)
-        _ops.update_rows(kind, self.table, state, indices[~cached], values[~cached], **hyper)
+        if self.device.type == "cpu":
+            values = values.cpu()
+            cached = (slots >= 0) & ~torch.isin(host_indices, self.pending)
+            _ops.update_rows(kind, self.records, {k: self.cached[k] for k in state}, slots[cached], values[cached],
+                             **hyper)
+            host_values = values[~cached]
+        else:
+            if torch.unique(host_indices).numel() != host_indices.numel():
+                # The kernel takes each slot once: repeats summed as the core
+                # sums them (in position order).
+                host_indices, values = _ops.sum_repeated_rows(self.table, host_indices, values.cpu())
+                slots = self.planner.slots_of(host_indices).long()
+            cached = (slots >= 0) & ~torch.isin(host_indices, self.pending)
+            values, on_device = values.to(self.device), cached.to(self.device)
+            _ops.records_adam_update(*(self.cached[k] for k in ("weight", "exp_avg", "exp_avg_sq")),
+                                     slots[cached].to(self.device), values[on_device], **hyper)
+            host_values = values[~on_device].cpu()
+        _ops.update_rows(kind, self.table, state, host_indices[~cached], host_values, **hyper)
         self.dirty.update(("weight", *state))
+
+    def _move_records_to_host(self, why):
+        """The records, as they are, into host memory, for an update the
+        GPU kernels do not have."""
+        warnings.warn(f"hostembed: {why} has no GPU update of a row cache's records; they move to host memory "
+                      "(SparseAdam updates them on the GPU)", stacklevel=4)
+        moved = {}
+        self.device, self.records = torch.device("cpu"), None
+        for key, records in self.cached.items():  # the weight's first
+            target = self._new_records(weight=key == "weight", per_row=records.dim() == 1)
+            target.copy_(records.cpu())
+            moved[key] = target
+        self.cached = moved
 
     def flush(self, keys=None) -> None:
         """The records of `keys` (all by default) written back to their
@@ -265,7 +318,7 @@ class RowCache:
         slots = self._live_slots()
         for key in self.host if keys is None else keys:
             if key in self.dirty:
-                self.host[key][self.row_of_slot[slots]] = self.cached[key][slots]
+                self.host[key][self.row_of_slot[slots]] = self.cached[key][slots.to(self.device)].cpu()
                 self.moved["written_back_bytes"] += slots.numel() * self.cached[key][:1].nbytes
                 self.dirty.discard(key)
         self._seen()

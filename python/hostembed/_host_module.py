@@ -13,6 +13,7 @@ from ._cuda import require_cuda, resolve_device, unavailable_reason
 from ._files import FileRows, open_table
 from ._stream import copy_rows, read_rows
 from ._cache import RowCache
+from ._ops import CUDA_COMPILED
 from ._table import HostTable, check_table_dtype, dtype_name
 
 # _weight value that leaves a new table zeroed instead of drawing N(0, 1):
@@ -100,7 +101,16 @@ class HostTableModule:
         table.planned = None
         table.cache = None
         if self._cache_rows and table.num_rows:
-            table.cache = RowCache(table, min(self._cache_rows, table.num_rows), lookahead=True)
+            table.cache = RowCache(table, min(self._cache_rows, table.num_rows), lookahead=True,
+                                   device=self._cache_device())
+
+    def _cache_device(self):
+        """Where the cache's records live: on the GPU the outputs go to, for
+        float32 tables with the CUDA kernels built; else in host memory."""
+        device = self._output_device
+        if device.type == "cuda" and CUDA_COMPILED and self._table.dtype == torch.float32:
+            return resolve_device(device)
+        return torch.device("cpu")
 
     @property
     def cache_rows(self):
@@ -302,6 +312,10 @@ class HostTableModule:
             check_table_dtype(probe.dtype, self._get_name())
             self._retype(probe.dtype)
         self._output_device = device
+        cache = self._table.cache
+        if cache is not None and cache.device != self._cache_device():
+            self.flush_cache()
+            self._make_cache()  # where the outputs go now
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import _ops
-from ._ids import prepare_ids
+from . import _fused, _ops
+from ._ids import check_ids, prepare_ids
 
 
 class _Planned(NamedTuple):
@@ -56,10 +56,24 @@ def _batch(table, ids):
         table.prefetch_outcome = "taken: planned ahead"
         return planned.dedup, planned.unique, planned.inverse, planned.plan
     dedup, unique, inverse = _ops.dedup_ids(ids, table.num_rows)
+    return dedup, unique, inverse, _plan_now(table, unique)
+
+
+def _plan_now(table, unique):
     with table.lock:
         plan = table.cache.plan(unique)
         table.cache.finish(plan)
-    return dedup, unique, inverse, plan
+    return plan
+
+
+def _gpu_plan(table, unique):
+    """The plan of a GPU lookup whose distinct rows are `unique` (CPU): the
+    one made ahead for the same rows, else a new one."""
+    planned = finish_planned(table)
+    if planned is not None and torch.equal(planned.unique, unique):
+        table.prefetch_outcome = "taken: planned ahead"
+        return planned.plan
+    return _plan_now(table, unique)
 
 
 class _CachedLookup(torch.autograd.Function):
@@ -78,6 +92,53 @@ class _CachedLookup(torch.autograd.Function):
         return _ops._lookup_backward(ctx, grad_out)[:5] + (None, None)
 
 
+class _CachedGpuLookup(torch.autograd.Function):
+    """A lookup with GPU outputs through a cache whose records are in GPU
+    memory: the ids' dedup and the gradient's sums run on the GPU (the
+    uncached GPU path's kernels, the same bits), only the distinct rows go
+    to the planner on the CPU, hits are read from the records, and the
+    rows that bypass the cache come from host memory."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, padding_idx, scale_grad_by_freq, sparse, table, device):
+        cache = table.cache
+        with torch.cuda.device(device):
+            count, unique, offsets, order, inverse, (num_unique, padding_slot) = _ops.gpu_dedup(
+                table, ids, device, padding_idx)
+            unique_host = unique[:num_unique].cpu()
+            plan = _gpu_plan(table, unique_host)
+            with table.lock:
+                rows = cache.rows(plan, unique_host)
+            out = torch.empty(*ids.shape, table.dim, dtype=torch.float32, device=device)
+            torch.index_select(rows, 0, inverse, out=out.view(count, table.dim))
+        info = torch.tensor([num_unique, padding_slot], dtype=torch.int64)
+        ctx.save_for_backward(unique, offsets, order, inverse, info)
+        ctx.table, ctx.spec = table, (scale_grad_by_freq, sparse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        unique, offsets, order, inverse, info = ctx.saved_tensors
+        scale_grad_by_freq, sparse = ctx.spec
+        table = ctx.table
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 7
+        if table.fused and _fused.optimizer_of(table) is not None:
+            indices, values = _ops.gpu_reduce(table, grad_out, unique, offsets, order, inverse, info,
+                                              scale_grad_by_freq)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(values.device))
+            if _fused.take_gradient(table, _fused.GpuGradient(indices, values, ready)):
+                return (None,) * 7
+        # weight.grad on the CPU, as autograd requires; the sums' GPU copy
+        # is kept for the update of the records (_lookup_gpu.GradTwin).
+        table.twin_wanted = True
+        indices, values = _ops.gpu_grad_reduce(table.handle, grad_out, unique, offsets, order, inverse, info,
+                                               scale_grad_by_freq)
+        grad = _ops.weight_grad(indices, values, table.num_rows, table.dim, sparse)
+        return grad, None, None, None, None, None, None
+
+
 @torch.compiler.disable
 def lookup(module, ids):
     """module.weight[ids] through the module's table's row cache."""
@@ -85,7 +146,11 @@ def lookup(module, ids):
         raise RuntimeError(f"{module._get_name()}: max_norm renorms rows in host memory at each lookup, which a "
                            "row cache cannot do; set max_norm=None or build the module without cache_rows")
     table = module._table
-    ids = prepare_ids(ids)
     padding = -1 if module.padding_idx is None else module.padding_idx
+    if table.cache.device.type == "cuda":
+        check_ids(ids)
+        return _CachedGpuLookup.apply(module._parameters["weight"], ids, padding, module.scale_grad_by_freq,
+                                      module.sparse, table, table.cache.device)
+    ids = prepare_ids(ids)
     return _CachedLookup.apply(module._parameters["weight"], ids, padding, module.scale_grad_by_freq, module.sparse,
                                table, module.output_device)

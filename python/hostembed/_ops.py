@@ -347,7 +347,9 @@ def sparse_update(kind: int, weight: Tensor, state, indices: Tensor, values: Ten
     table = host_table_of(weight, name)
     for key, tensor in state.items():
         table.buffer_of(tensor, f"{name}'s {key}")
-    indices, values = _row_gradient(table, indices, values, "cpu", name)
+    # A cache in GPU memory takes a gradient on the GPU as it is.
+    device = values.device if table.cache is not None and table.cache.device == values.device else "cpu"
+    indices, values = _row_gradient(table, indices, values, device, name)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
                  weight_decay=weight_decay)
     if table.cache is not None:
@@ -356,6 +358,47 @@ def sparse_update(kind: int, weight: Tensor, state, indices: Tensor, values: Ten
         return
     with table.lock:
         update_rows(kind, table, state, indices, values, **hyper)
+
+
+def optimizer_name(kind: int) -> str:
+    return _OPTIMIZER_NAMES[kind]
+
+
+def sum_repeated_rows(table, indices: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """(distinct indices, ascending; their values summed in position order,
+    as the core's update sums repeated rows) of a row-sparse gradient on
+    the CPU."""
+    return _reduce_rows(indices, values, table.num_rows, -1, False)
+
+
+def records_adam_update(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, slots: Tensor, values: Tensor, *,
+                        lr: float, step: int, maximize: bool, beta1: float, beta2: float, eps: float,
+                        weight_decay: float = 0.0, lr_decay: float = 0.0) -> None:
+    """SparseAdam's update of a GPU row cache's records (_cache.RowCache):
+    weight, exp_avg and exp_avg_sq [slots, dim] float32 on one GPU, rows
+    `slots` (distinct, in range: the planner's) with gradient rows
+    `values`, by the GPU kernel, on the current stream."""
+    _need_cuda("a row cache's GPU update")
+    device = weight.device
+    dim = weight.shape[1]
+    for name, tensor in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("weight", weight)):
+        if tensor.device != device or tensor.dtype != torch.float32 or not tensor.is_contiguous() \
+                or tensor.shape != weight.shape:
+            raise RuntimeError(f"hostembed: a row cache's {name} records must be contiguous float32 "
+                               f"{list(weight.shape)} on {device}, got {list(tensor.shape)} {tensor.dtype} on "
+                               f"{tensor.device}")
+    slots = slots.to(device=device, dtype=torch.int64).contiguous()
+    values = values.to(device=device, dtype=torch.float32).contiguous()
+    if values.shape != (slots.numel(), dim):
+        raise RuntimeError(f"hostembed: {slots.numel()} slots need [{slots.numel()}, {dim}] gradient rows, got "
+                           f"{list(values.shape)}")
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        _C.cuda_sparse_adam_records(weight=_address(weight), exp_avg=_address(exp_avg),
+                                    exp_avg_sq=_address(exp_avg_sq), dim=dim, slots=_address(slots),
+                                    values=_address(values), nnz=slots.numel(), lr=lr, beta1=beta1, beta2=beta2,
+                                    eps=eps, step=step, maximize=maximize, weight_decay=weight_decay,
+                                    device=device.index, stream=stream.cuda_stream)
 
 
 def update_rows(kind: int, table, state, indices: Tensor, values: Tensor, *, lr: float, step: int, maximize: bool,
@@ -535,23 +578,10 @@ def gpu_lookup(weight: Tensor, table_handle: int, ids: Tensor, device: torch.dev
     rows_of = {"table": base, "num_rows": table.num_rows, "dim": dim}
     with table.lock, torch.cuda.device(device):
         stream = torch.cuda.current_stream(device)
-        # contiguous(): reshape(-1) is a view wherever it can be, and a 1-D
-        # view may be strided (ids[::2]) or expanded (stride 0); the kernels
-        # read count packed ids.
-        flat = ids.to(device).reshape(-1).contiguous()
-        count = flat.numel()
         table.order_after_gpu_use(stream)
         where = {"device": device.index, "stream": stream.cuda_stream}
-        ws_bytes = _C.cuda_dedup_workspace(count=count, num_rows=table.num_rows, device=device.index)
-        workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=device)
-        unique = torch.empty(count, dtype=torch.int64, device=device)
-        offsets = torch.empty(count + 1, dtype=torch.int64, device=device)
-        order = torch.empty(count, dtype=torch.int32, device=device)
-        inverse = torch.empty(count, dtype=torch.int64, device=device)
-        num_unique, padding_slot = _C.cuda_dedup(
-            **_ids(flat), num_rows=table.num_rows, padding_idx=padding_idx, workspace=_address(workspace),
-            workspace_bytes=ws_bytes, unique=_address(unique), offsets=_address(offsets), order=_address(order),
-            inverse=_address(inverse), **where)
+        count, unique, offsets, order, inverse, (num_unique, padding_slot) = gpu_dedup(table, ids, device,
+                                                                                      padding_idx)
         if max_norm is not None:
             # In place before the gather, outside autograd (as torch does).
             table.rows_changed(None)
@@ -568,6 +598,30 @@ def gpu_lookup(weight: Tensor, table_handle: int, ids: Tensor, device: torch.dev
         torch.index_select(rows, 0, inverse, out=out.view(count, dim))
     info = torch.tensor([num_unique, padding_slot], dtype=torch.int64)
     return out, unique, offsets, order, inverse, info
+
+
+def gpu_dedup(table, ids, device, padding_idx):
+    """The GPU dedup of a batch of ids, on the current stream of `device`
+    (the caller's): (count, unique, offsets, order, inverse, (num_unique,
+    padding_slot)), unique[:num_unique] the distinct ids ascending. An id
+    outside the table raises IndexError before anything is written."""
+    # contiguous(): reshape(-1) is a view wherever it can be, and a 1-D
+    # view may be strided (ids[::2]) or expanded (stride 0); the kernels
+    # read count packed ids.
+    flat = ids.to(device).reshape(-1).contiguous()
+    count = flat.numel()
+    stream = torch.cuda.current_stream(device)
+    ws_bytes = _C.cuda_dedup_workspace(count=count, num_rows=table.num_rows, device=device.index)
+    workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=device)
+    unique = torch.empty(count, dtype=torch.int64, device=device)
+    offsets = torch.empty(count + 1, dtype=torch.int64, device=device)
+    order = torch.empty(count, dtype=torch.int32, device=device)
+    inverse = torch.empty(count, dtype=torch.int64, device=device)
+    info = _C.cuda_dedup(**_ids(flat), num_rows=table.num_rows, padding_idx=padding_idx,
+                         workspace=_address(workspace), workspace_bytes=ws_bytes, unique=_address(unique),
+                         offsets=_address(offsets), order=_address(order), inverse=_address(inverse),
+                         device=device.index, stream=stream.cuda_stream)
+    return count, unique, offsets, order, inverse, info
 
 
 @gpu_lookup.op.register_fake

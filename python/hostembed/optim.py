@@ -156,6 +156,16 @@ class SparseAdam(torch.optim.SparseAdam):
         twin = take_grad_twin(table, grad)
         exp_avg, exp_avg_sq, step = self._table_state(p, table)
         hyper = self._hyper(group, step + 1)
+        if table.cache is not None:
+            # The row cache updates its records where they are (a cache in
+            # GPU memory from the gradient's GPU copy), the other rows in
+            # host memory.
+            if twin is not None and twin.device == table.cache.device:
+                indices, values = twin.indices, twin.values
+            _ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
+            self._last_update = "cache"
+            self.state[p].update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+            return
         mode, chooser = "cpu", None
         if twin is not None:
             mode = self.update
@@ -206,7 +216,10 @@ class SparseAdam(torch.optim.SparseAdam):
             # through the pinned mapping ("auto" too: the update needs no
             # copy of the gradient to the host, which is what "cpu" costs).
             indices, values = gradients[0].wait()
-            if self.update != "cpu" and self._gpu_ready(p, table, exp_avg, exp_avg_sq, values.device):
+            if table.cache is not None:
+                _ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
+                self._last_update = "cache"
+            elif self.update != "cpu" and self._gpu_ready(p, table, exp_avg, exp_avg_sq, values.device):
                 _ops.gpu_adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
                 self._last_update = "gpu"
             else:

@@ -1,0 +1,144 @@
+"""A row cache in GPU memory (Embedding(cache_rows=N, device="cuda"),
+float32): its records are updated by the GPU kernel, and training gives
+the bits of the uncached table on the CPU path (itself checked against
+torch), also with batches planned ahead while the previous step's rows are
+still in use, and with evictions every step.
+
+Every test checks that the records were in GPU memory and updated there
+(the cache moves them to host memory for an optimizer without a GPU
+update, which would give the same values)."""
+import pytest
+import torch
+
+import hostembed
+from hostembed import _cuda
+
+from test_cache_module import DIM, OPTIMIZERS, ROWS, _batches
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not hostembed.cuda_available(), reason=f"GPU path unavailable: {_cuda.unavailable_reason()}"),
+]
+
+
+def _gpu_pair(name="SparseAdam", cache=24, **opt_kwargs):
+    cls, hyper = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    plain = hostembed.Embedding(ROWS, DIM)
+    cached = hostembed.Embedding(ROWS, DIM, cache_rows=cache, device="cuda")
+    with torch.no_grad():
+        cached.weight.copy_(plain.weight)
+    hyper = dict(hyper, **opt_kwargs)
+    return (plain, cls(plain.parameters(), **hyper)), (cached, cls(cached.parameters(), **hyper))
+
+
+def _assert_records_on_gpu(module, opt=None):
+    cache = module._table.cache
+    assert cache.device.type == "cuda"
+    assert all(records.is_cuda for records in cache.cached.values())
+    if opt is not None:
+        assert opt._last_update == "cache"
+        assert {"exp_avg", "exp_avg_sq"} <= set(cache.cached)
+
+
+def _train(pairs, batches, prefetch=False, ids_device="cpu"):
+    gen = torch.Generator().manual_seed(2)
+    for b, ids in enumerate(batches):
+        target = torch.randn(*ids.shape, DIM, generator=gen)
+        outs = []
+        for module, opt in pairs:
+            on_gpu = module.output_device.type == "cuda"
+            out = module(ids.to(ids_device) if on_gpu else ids)
+            if on_gpu and prefetch and b:
+                assert module._table.prefetch_outcome == "taken: planned ahead"
+            loss = (out - target.to(out.device)).pow(2).sum()
+            loss.backward()
+            if prefetch and b + 1 < len(batches):
+                module.prefetch(batches[b + 1])  # planned while this step's rows are still to be updated
+            opt.step()
+            opt.zero_grad()
+            outs.append(out.detach().cpu())
+            if on_gpu:
+                module._table.prefetch_outcome = None
+        assert torch.equal(outs[0], outs[1]), f"step {b}: the GPU cache's lookup differs"
+
+
+def _assert_same(pairs):
+    (plain, plain_opt), (cached, cached_opt) = pairs
+    assert torch.equal(cached.weight, plain.weight)
+    mine, theirs = cached_opt.state_dict()["state"], plain_opt.state_dict()["state"]
+    for index, entry in theirs.items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(mine[index][key]), torch.as_tensor(value)), key
+
+
+@pytest.mark.parametrize("ids_device", ["cpu", "cuda"])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["planned-at-lookup", "planned-ahead"])
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_sparse_adam_through_a_gpu_cache_gives_the_uncached_bits(fused, prefetch, ids_device):
+    pairs = _gpu_pair(fused=fused)
+    _train(pairs, _batches(100), prefetch, ids_device)
+    _assert_records_on_gpu(*pairs[1])
+    stats = pairs[1][0].cache_stats
+    assert stats["hits"] > 0 and stats["evictions"] > 0 and stats["bypassed"] > 0
+    _assert_same(pairs)
+
+
+def test_a_gpu_cache_holding_every_row_reads_and_updates_only_records():
+    pairs = _gpu_pair(cache=ROWS)
+    batches = _batches(5)
+    _train(pairs, batches + batches)
+    stats = pairs[1][0].cache_stats
+    assert stats["bypassed"] == 0 and stats["evictions"] == 0
+    _assert_records_on_gpu(*pairs[1])
+    _assert_same(pairs)
+
+
+def test_accumulated_gradients_with_repeated_rows_are_summed_before_the_kernel():
+    pairs = _gpu_pair()
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(20):
+        first, second = (torch.randint(0, ROWS, (40,), generator=gen) for _ in range(2))
+        for module, _ in pairs:
+            module(first).sum().backward()
+            module(second).pow(2).sum().backward()  # weight.grad: the two sparse gradients, rows repeated
+        for _, opt in pairs:
+            opt.step()
+            opt.zero_grad()
+    _assert_records_on_gpu(*pairs[1])
+    _assert_same(pairs)
+
+
+def test_checkpoints_and_weight_reads_see_the_gpu_records(tmp_path):
+    pairs = _gpu_pair()
+    _train(pairs, _batches(20))
+    (plain, _), (cached, cached_opt) = pairs
+    assert "weight" in cached._table.cache.dirty
+    hostembed.save(tmp_path / "c.pt", cached, cached_opt)
+    saved = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert torch.equal(saved["model"]["weight"], plain.weight)
+    _train(pairs, _batches(5, seed=3))
+    for module, opt in pairs:
+        hostembed.load(tmp_path / "c.pt", module, opt)
+    _train(pairs, _batches(10, seed=4))
+    _assert_records_on_gpu(*pairs[1])
+    _assert_same(pairs)
+
+
+def test_an_optimizer_without_a_gpu_update_moves_the_records_to_host_memory():
+    pairs = _gpu_pair("Adagrad")
+    with pytest.warns(UserWarning, match="Adagrad has no GPU update"):
+        _train(pairs, _batches(20))
+    assert pairs[1][0]._table.cache.device.type == "cpu"
+    _assert_same(pairs)
+
+
+def test_bad_ids_raise_and_change_nothing_on_the_gpu():
+    (_, _), (cached, opt) = _gpu_pair()
+    ids = _batches(1)[0]
+    cached(ids).sum().backward()
+    opt.step()
+    before, stats = cached.weight.clone(), cached.cache_stats
+    with pytest.raises(IndexError):
+        cached(torch.tensor([1, ROWS], device="cuda"))
+    assert cached.cache_stats == stats and torch.equal(cached.weight, before)
