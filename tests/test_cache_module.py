@@ -265,3 +265,33 @@ def test_from_pretrained_takes_cache_rows():
     assert emb.cache_rows == 5
     ids = torch.tensor([[1, 2], [2, 49]])
     assert torch.equal(emb(ids), rows[ids])
+
+
+def test_cache_rows_can_be_changed_between_steps():
+    pairs = _pair("SparseAdam")
+    _train(pairs, _batches(10))
+    cached = pairs[1][0]
+    cached.cache_rows = 100  # written back, a new cache of 100 rows
+    assert cached._table.cache.capacity == 100 and cached.cache_stats["batches"] == 0
+    _train(pairs, _batches(10, seed=12))
+    cached.cache_rows = None
+    assert cached.cache_stats is None and cached._table.cache is None
+    _train(pairs, _batches(5, seed=13))
+    with pytest.raises(ValueError, match="cache_rows must be in"):
+        cached.cache_rows = -1
+    _assert_same_training_state(pairs)
+
+
+def test_cache_step_benchmark_runs_the_stream_through_every_cache_size(tmp_path, monkeypatch):
+    import json
+    import pathlib
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    import cache_step
+    out = tmp_path / "step.json"
+    cache_step.main(["--device", "cpu", "--rows", "20000", "--batch", "4000", "--stream", "3", "--warmup", "3",
+                     "--steps", "6", "--fractions", "1,0.1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    full, small = report["sizes"]["1"], report["sizes"]["0.1"]
+    assert full["hit_rate"] == 1.0 and full["bypassed_per_step"] == 0 and full["record_bytes_per_step"] == 0
+    assert 0 < small["hit_rate"] < 1 and small["bypassed_per_step"] > 0
+    assert report["no_cache"]["step"]["median_ms"] > 0

@@ -113,11 +113,6 @@ class HostTableModule:
         return torch.device("cpu")
 
     @property
-    def cache_rows(self):
-        """The rows the module's row cache holds at most (None: no cache)."""
-        return self._cache_rows
-
-    @property
     def cache_stats(self):
         """The row cache's counts since the module was built (None without a
         cache): batches; rows (unique rows looked up), hits (found in the

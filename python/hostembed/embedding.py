@@ -120,6 +120,23 @@ class Embedding(HostTableModule, nn.Embedding):
         if self.max_norm is None:
             table.prefetch = Prefetch(table, self.weight, ids, *_ops.gather_later(self.weight, ids))
 
+    @property
+    def cache_rows(self):
+        """The rows the module's row cache holds at most (None: no cache).
+        Setting it writes the cache back and starts a new one of that size
+        (None: none)."""
+        return self._cache_rows
+
+    @cache_rows.setter
+    def cache_rows(self, value):
+        _check_cache_rows(value, self.max_norm)
+        if value is not None and self._table.stochastic_rounding:
+            raise ValueError("hostembed.Embedding: a row cache cannot repeat stochastic rounding bit for bit; "
+                             "switch stochastic_rounding off first")
+        self.flush_cache()
+        self._cache_rows = value
+        self._make_cache()
+
     def _get_name(self):
         return "hostembed.Embedding"
 
