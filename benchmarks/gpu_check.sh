@@ -201,6 +201,7 @@ if (( BUILT )); then
         FAILED=1
     fi
     run benchmark 330 "$PY" benchmarks/gpu.py --rows "$ROWS" --json "$OUT/gpu.json"
+    run cache_benchmark 330 "$PY" benchmarks/cache_step.py --rows "$ROWS" --prefetch --json "$OUT/cache_step.json"
 else
     STAGES+=("everything else|skipped: no build succeeded|0")
     FAILED=1
@@ -224,6 +225,7 @@ for name in gpu_tests gpu_tests_no_caching other_tests; do
 done
 grep -h "ERROR SUMMARY" "$OUT/sanitizer.log" 2>/dev/null
 [[ -f $OUT/benchmark.log ]] && sed -n '/^## hostembed GPU path/,$p' "$OUT/benchmark.log"
+[[ -f $OUT/cache_benchmark.log ]] && sed -n '/^## row cache/,$p' "$OUT/cache_benchmark.log"
 if (( FAILED )); then
     echo "gpu_check: SOME STAGES FAILED OR DID NOT RUN (see the table above and $OUT/*.log)"
     exit 1
