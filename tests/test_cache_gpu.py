@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hostembed
-from hostembed import _cuda
+from hostembed import _cuda, _ops
 
 from test_cache_module import DIM, OPTIMIZERS, ROWS, _batches
 
@@ -39,6 +39,8 @@ def _assert_records_on_gpu(module, opt=None):
     if opt is not None:
         assert opt._last_update == "cache"
         assert {"exp_avg", "exp_avg_sq"} <= set(cache.cached)
+        # From the sums the GPU backward left on the GPU, not weight.grad's host copy.
+        assert cache.last_update_from.type == "cuda"
 
 
 def _train(pairs, batches, prefetch=False, ids_device="cpu"):
@@ -94,17 +96,21 @@ def test_a_gpu_cache_holding_every_row_reads_and_updates_only_records():
     _assert_same(pairs)
 
 
-def test_accumulated_gradients_with_repeated_rows_are_summed_before_the_kernel():
-    pairs = _gpu_pair()
+def test_repeated_rows_of_several_lookups_are_summed_before_the_kernel(monkeypatch):
+    # Fused, two lookups of the table in one backward: one update of their
+    # concatenated sums, rows repeated, which the kernel cannot take.
+    calls = []
+    summed = _ops.sum_repeated_rows
+    monkeypatch.setattr(_ops, "sum_repeated_rows", lambda *a: calls.append(1) or summed(*a))
+    pairs = _gpu_pair(fused=True)
     gen = torch.Generator().manual_seed(4)
     for _ in range(20):
         first, second = (torch.randint(0, ROWS, (40,), generator=gen) for _ in range(2))
-        for module, _ in pairs:
-            module(first).sum().backward()
-            module(second).pow(2).sum().backward()  # weight.grad: the two sparse gradients, rows repeated
-        for _, opt in pairs:
+        for module, opt in pairs:
+            (module(first).sum() + module(second).pow(2).sum()).backward()
             opt.step()
             opt.zero_grad()
+    assert calls, "the repeated rows never reached the summing path"
     _assert_records_on_gpu(*pairs[1])
     _assert_same(pairs)
 
@@ -138,6 +144,7 @@ def test_bad_ids_raise_and_change_nothing_on_the_gpu():
     ids = _batches(1)[0]
     cached(ids).sum().backward()
     opt.step()
+    _assert_records_on_gpu(cached, opt)
     before, stats = cached.weight.clone(), cached.cache_stats
     with pytest.raises(IndexError):
         cached(torch.tensor([1, ROWS], device="cuda"))

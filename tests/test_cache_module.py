@@ -274,6 +274,8 @@ def test_cache_rows_can_be_changed_between_steps():
     cached.cache_rows = 100  # written back, a new cache of 100 rows
     assert cached._table.cache.capacity == 100 and cached.cache_stats["batches"] == 0
     _train(pairs, _batches(10, seed=12))
+    cached.cpu()  # outputs stay where they were: the same cache
+    assert cached.cache_stats["batches"] == 10
     cached.cache_rows = None
     assert cached.cache_stats is None and cached._table.cache is None
     _train(pairs, _batches(5, seed=13))

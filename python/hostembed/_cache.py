@@ -2,6 +2,7 @@
 its arrays wrapped in tensors), which says which of a table's rows sit in
 which slot of a cache (records holding a row and its optimizer state) and
 what each batch must move, and RowCache, which carries the plans out."""
+import functools
 import warnings
 from typing import NamedTuple
 
@@ -79,6 +80,25 @@ class CachePlanner:
                          evict_slot[:evictions], evict_row[:evictions])
 
 
+def _ordered(method):
+    """Work on GPU records runs on the caller's current stream, after the
+    cache's previous work on whatever stream that ran (a forward under
+    torch.cuda.stream(s), then step() on the default one)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.device.type != "cuda":
+            return method(self, *args, **kwargs)
+        stream = torch.cuda.current_stream(self.device)
+        if self._last_use is not None:
+            stream.wait_event(self._last_use)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._last_use = torch.cuda.Event()
+            self._last_use.record(stream)
+    return run
+
+
 class CacheConflict(RuntimeError):
     """A cached table's host rows (or state) were written in place while
     its cache held updates that host memory did not have yet."""
@@ -134,6 +154,11 @@ class RowCache:
         # host memory.
         self.pending = torch.empty(0, dtype=torch.int64)
         self.moved = {"fetched_bytes": 0, "written_back_bytes": 0}
+        # GPU records: an event after the last work on them (_ordered), and
+        # the device of the gradient rows the last update of records read
+        # (tests check that a GPU cache was updated from the GPU's sums).
+        self._last_use = None
+        self.last_update_from = None
 
     @property
     def capacity(self) -> int:
@@ -197,6 +222,7 @@ class RowCache:
             self.stale.add(key)
             self.dirty.discard(key)
 
+    @_ordered
     def attach_state(self, key: str, host_tensor: Tensor) -> Tensor:
         """An optimizer state tensor of the table ([num_rows, dim], or
         [num_rows] per row) kept with the rows from now on: its cached
@@ -222,6 +248,7 @@ class RowCache:
             self.dirty.discard(key)
             self.stale.discard(key)
 
+    @_ordered
     def plan(self, unique: Tensor) -> CachePlan:
         """The plan of the batch with these unique rows, its evictions and
         fetches done (planned a step ahead, the flagged fetches wait for
@@ -241,6 +268,7 @@ class RowCache:
             self._fetch(plan, plan.fetch_after_update)
         return plan
 
+    @_ordered
     def finish(self, plan: CachePlan) -> None:
         """The fetches that waited for the previous batch's update."""
         if self.lookahead:
@@ -254,6 +282,7 @@ class RowCache:
         self.row_of_slot[slots] = rows
         self.moved["fetched_bytes"] += rows.numel() * self._record_bytes()
 
+    @_ordered
     def rows(self, plan: CachePlan, unique: Tensor) -> Tensor:
         """The batch's rows, unique[k]'s in row k: from its slot, or from
         host memory for a row that bypassed the cache."""
@@ -264,6 +293,7 @@ class RowCache:
         out[~mask] = self.table.tensor[unique[~cached]].to(self.device)
         return out
 
+    @_ordered
     def update(self, kind: int, state: dict, indices: Tensor, values: Tensor, **hyper) -> None:
         """Optimizer `kind`'s update (_ops.update_rows) of rows `indices`
         (repeats summed) with `values`, of the weight and the state tensors
@@ -278,6 +308,7 @@ class RowCache:
         for key, tensor in state.items():
             if self.host.get(key) is not tensor:
                 self.attach_state(key, tensor)
+        self.last_update_from = values.device
         if self.device.type == "cpu":
             values = values.cpu()
             cached = (slots >= 0) & ~torch.isin(host_indices, self.pending)
@@ -285,7 +316,8 @@ class RowCache:
                              **hyper)
             host_values = values[~cached]
         else:
-            if torch.unique(host_indices).numel() != host_indices.numel():
+            if host_indices.numel() > 1 and not bool((host_indices[1:] > host_indices[:-1]).all()) \
+                    and torch.unique(host_indices).numel() != host_indices.numel():
                 # The kernel takes each slot once: repeats summed as the core
                 # sums them (in position order).
                 host_indices, values = _ops.sum_repeated_rows(self.table, host_indices, values.cpu())
@@ -311,6 +343,7 @@ class RowCache:
             moved[key] = target
         self.cached = moved
 
+    @_ordered
     def flush(self, keys=None) -> None:
         """The records of `keys` (all by default) written back to their
         rows; they stay cached."""

@@ -100,6 +100,7 @@ class HostTableModule:
         table = self._table
         table.planned = None
         table.cache = None
+        table.twin_wanted = False  # a cached GPU lookup asked for it; the optimizer asks again at its step
         if self._cache_rows and table.num_rows:
             table.cache = RowCache(table, min(self._cache_rows, table.num_rows), lookahead=True,
                                    device=self._cache_device())
@@ -306,9 +307,8 @@ class HostTableModule:
         if probe.is_floating_point() and probe.dtype != self._table.dtype:
             check_table_dtype(probe.dtype, self._get_name())
             self._retype(probe.dtype)
-        self._output_device = device
-        cache = self._table.cache
-        if cache is not None and cache.device != self._cache_device():
+        moved, self._output_device = device != self._output_device, device
+        if moved and self._table.cache is not None:
             self.flush_cache()
             self._make_cache()  # where the outputs go now
         return self

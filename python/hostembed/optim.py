@@ -207,7 +207,7 @@ class SparseAdam(torch.optim.SparseAdam):
             parts = [_ops.reduce_to_host(table, g) for g in gradients]
             indices, values = torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
             _ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
-            self._last_update = "cpu"
+            self._last_update = "cpu" if table.cache is None else "cache"
         elif isinstance(gradients[0], _fused.CpuGradient):
             _ops.fused_adam_update(p, exp_avg, exp_avg_sq, gradients[0], **hyper)
             self._last_update = "cpu"
