@@ -187,6 +187,11 @@ class RowCache:
     def _live_slots(self):
         return (self.row_of_slot >= 0).nonzero().view(-1)
 
+    def _read_in(self, records, host):
+        """Every live record's values read from its row of `host`."""
+        slots = self._live_slots()
+        records[slots.to(self.device)] = host[self.row_of_slot[slots]].to(self.device)
+
     def _record_bytes(self):
         return sum(t[:1].nbytes for t in self.cached.values())
 
@@ -203,8 +208,7 @@ class RowCache:
                     "are meant cannot be told. Write the weight through the module's `weight` attribute (reading "
                     "it writes the cache back first), or call flush_cache() before writing through a reference "
                     "kept from earlier")
-            slots = self._live_slots()
-            self.cached[key][slots.to(self.device)] = host[self.row_of_slot[slots]].to(self.device)
+            self._read_in(self.cached[key], host)
             self.stale.discard(key)
             self.dirty.discard(key)
             self.version[key] = host._version
@@ -233,8 +237,7 @@ class RowCache:
         if key in self.dirty:
             self.flush((key,))
         records = self._new_records(per_row=host_tensor.dim() == 1)
-        slots = self._live_slots()
-        records[slots.to(self.device)] = host_tensor[self.row_of_slot[slots]].to(self.device)
+        self._read_in(records, host_tensor)
         self.host[key], self.cached[key] = host_tensor, records
         self.version[key] = host_tensor._version
         return records
