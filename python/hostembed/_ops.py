@@ -345,14 +345,16 @@ def sparse_update(kind: int, weight: Tensor, state, indices: Tensor, values: Ten
     cache updates its cached rows in their records (_cache.RowCache)."""
     name = _OPTIMIZER_NAMES[kind]
     table = host_table_of(weight, name)
-    for key, tensor in state.items():
-        table.buffer_of(tensor, f"{name}'s {key}")
     # A cache in GPU memory takes a gradient on the GPU as it is.
     device = values.device if table.cache is not None and table.cache.device == values.device else "cpu"
     indices, values = _row_gradient(table, indices, values, device, name)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
                  weight_decay=weight_decay)
     if table.cache is not None:
+        # Checked before the cache writes its records (update_rows checks
+        # the host part only after them).
+        for key, tensor in state.items():
+            table.buffer_of(tensor, f"{name}'s {key}")
         with table.lock:
             table.cache.update(kind, state, indices, values, **hyper)
         return

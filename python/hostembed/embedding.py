@@ -52,9 +52,10 @@ class Embedding(HostTableModule, nn.Embedding):
     from earlier see host memory (``flush_cache()`` brings it up to date).
     ``cache_stats`` counts hits, misses and bytes moved. The cache's
     lookups run eagerly (a graph break under torch.compile); max_norm and
-    stochastic rounding are refused with it. Its records are in host
-    memory for now, so it saves nothing yet; the planner and the
-    executor are the ones a GPU cache will run.
+    stochastic rounding are refused with it. With GPU outputs and a
+    float32 table the records are in GPU memory and SparseAdam updates
+    them there; otherwise (or after the first step of another optimizer)
+    they are in host memory, which saves nothing.
     """
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, max_norm=None, norm_type=2.0,
@@ -76,7 +77,8 @@ class Embedding(HostTableModule, nn.Embedding):
             # compiled or not.
             self._prepare_weight()
         if self._table.cache is not None:
-            self._last_lookup_path = "cache"
+            if not compiling:
+                self._last_lookup_path = "cache"
             return _lookup_cached.lookup(self, input)
         gpu = self._output_device.type == "cuda" and self._table.kernels_read_it
         out = (_lookup_gpu if gpu else _lookup_cpu).lookup(self, input)
