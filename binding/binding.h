@@ -1,5 +1,6 @@
-/* What the binding's files share: the status -> exception mapping, the
- * address converter, and the registration function each file exports to
+/* What the binding's files share: the status -> exception mapping
+ * (errors.c), the address and HostBuffer argument converters (address.c,
+ * host_buffer.c), and the registration function each file exports to
  * module.c. Everything here is named heb_ (the extension exports only
  * PyInit__C; the prefix keeps these apart from the core's he_ names even in
  * a build that exports more). */

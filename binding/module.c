@@ -1,10 +1,15 @@
 /* hostembed._C: the CPython binding of the core (csrc/) and the kernels
  * (cuda/). binding/ is the only code that includes Python.h:
- *   module.c      PyInit__C, the module's own functions (threads, scratch
- *                 cache, CUDA_COMPILED) and the helpers of binding.h;
- *   host_buffer.c the HostBuffer type (big host allocations, pinning);
+ *   module.c      PyInit__C and the module's own functions (threads, scratch
+ *                 cache, CUDA_COMPILED); it registers the files below and
+ *                 nothing calls it;
  *   cpu_ops.c     Dedup, gather, grad_reduce, renorm, sparse_update;
- *   cuda_ops.c    the cuda_* launchers (built with HE_WITH_CUDA only).
+ *   cuda_ops.c    the cuda_* launchers (built with HE_WITH_CUDA only);
+ *   cache.c       the CachePlanner type;
+ *   host_buffer.c the HostBuffer type (big host allocations, pinning) and
+ *                 the ops' HostBuffer arguments;
+ *   errors.c      he_status -> exception (heb_raise_status);
+ *   address.c     the ops' address arguments (heb_address_converter).
  *
  * Every op takes its arguments by keyword only, releases the GIL around the
  * work and turns a he_status into the matching exception. A table and its
@@ -33,60 +38,8 @@
  *      holds HostTable.lock around the call). */
 #include "binding.h"
 
-#include <limits.h>
-
 #include "host_memory.h"
 #include "thread_pool.h"
-
-PyObject *heb_raise_status(he_status st)
-{
-    PyObject *type;
-    switch (st) {
-    case HE_ERR_NOMEM: type = PyExc_MemoryError; break;
-    case HE_ERR_INDEX: type = PyExc_IndexError; break;
-    case HE_ERR_VALUE: type = PyExc_ValueError; break;
-    case HE_ERR_CUDA: type = PyExc_RuntimeError; break;
-    default: type = PyExc_OSError; break;
-    }
-    PyErr_SetString(type, he_last_error());
-    return NULL;
-}
-
-int heb_address_converter(PyObject *obj, void *out)
-{
-    heb_address *a = out;
-    /* bool is an int subclass; True as an address is a swapped flag. */
-    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s must be an address (a non-negative int), got %.100s", a->name,
-                     Py_TYPE(obj)->tp_name);
-        return 0;
-    }
-    int overflow = 0;
-    long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
-    if (value == -1 && PyErr_Occurred())
-        return 0;
-    if (overflow < 0 || (overflow == 0 && value < 0)) {
-        PyErr_Format(PyExc_ValueError, "%s must be an address (a non-negative int), got %R", a->name, obj);
-        return 0;
-    }
-    unsigned long long address = (unsigned long long)value;
-    if (overflow > 0) {
-        address = PyLong_AsUnsignedLongLong(obj);
-        if (address == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Format(PyExc_ValueError, "%s must be an address below 2**64, got %R", a->name, obj);
-            return 0;
-        }
-    }
-#if UINTPTR_MAX < ULLONG_MAX
-    if (address > UINTPTR_MAX) {
-        PyErr_Format(PyExc_ValueError, "%s must be an address below 2**%d, got %R", a->name,
-                     (int)(8 * sizeof(uintptr_t)), obj);
-        return 0;
-    }
-#endif
-    a->ptr = (void *)(uintptr_t)address;
-    return 1;
-}
 
 static PyObject *heb_set_num_threads(PyObject *mod, PyObject *arg)
 {
