@@ -207,7 +207,7 @@ def _extension():
                   file=sys.stderr)
 
     ext = Extension(
-        "hostembed._C",
+        "hostembed._core._C",
         # The C core (csrc/) and the CPython binding (binding/, the only code
         # that includes Python.h).
         sources=sorted(glob.glob("csrc/*.c") + glob.glob("binding/*.c")),

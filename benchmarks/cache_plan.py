@@ -36,8 +36,8 @@ import torch
 from _common import RESULTS_DIR, ZipfIds, fmt_ms, log, machine_info, require_hostembed, summarize_ms, write_json
 
 hostembed = require_hostembed()
-from hostembed import _C  # noqa: E402  (after the build check above)
-from hostembed._cache import CachePlanner  # noqa: E402
+from hostembed._core import _C  # noqa: E402  (after the build check above)
+from hostembed._core.ops.cache_plan import CachePlanner  # noqa: E402
 
 STATE_ROWS = 2  # SparseAdam: exp_avg, exp_avg_sq
 

@@ -34,7 +34,7 @@ import torch
 from _common import RESULTS_DIR, ZipfIds, fmt_ms, log, machine_info, require_hostembed, summarize_ms, write_json
 
 hostembed = require_hostembed()
-from hostembed._host_module import _UNINITIALISED  # noqa: E402  (after the build check above)
+from hostembed.nn.host_module import UNINITIALISED  # noqa: E402  (after the build check above)
 
 # Published, same stream, H100, Adam (recsys-examples dynamicemb
 # benchmark_results.json): ms/step.
@@ -134,7 +134,7 @@ def main(argv=None):
     log(f"{touched:,} rows touched, {unique:,.0f} unique a step; table {args.rows * args.dim * 4 / 2**30:.1f} GiB")
     # Zeros: the values do not change the timing, and drawing 60M x 128
     # normals would take longer than the benchmark.
-    emb = hostembed.Embedding(args.rows, args.dim, device=device, _weight=_UNINITIALISED)
+    emb = hostembed.Embedding(args.rows, args.dim, device=device, _weight=UNINITIALISED)
     opt = hostembed.SparseAdam(emb.parameters(), lr=1e-3, fused=not args.unfused)
     record = (1 + STATE_ROWS) * args.dim * 4
     report = {"machine": machine_info(), "args": {k: v for k, v in vars(args).items() if k != "json"},

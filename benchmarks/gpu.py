@@ -31,8 +31,8 @@ from _common import (GIB, RESULTS_DIR, ZipfIds, fail, fmt_ms, log, machine_info,
                      require_hostembed, summarize_ms, write_json)
 
 hostembed = require_hostembed()
-from hostembed import _C  # noqa: E402  (after the build check above)
-from hostembed._table import HostTable  # noqa: E402
+from hostembed._core import _C  # noqa: E402  (after the build check above)
+from hostembed._core.table import HostTable  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -343,7 +343,7 @@ def print_report(args, report):
 def main(argv=None):
     args = parse_args(argv)
     if not hostembed.cuda_available():
-        from hostembed._cuda import unavailable_reason
+        from hostembed._core.cuda import unavailable_reason
         sys.exit(f"benchmarks/gpu.py: the GPU path cannot run here: {unavailable_reason()}")
     report = {"machine": machine_info(), "args": {k: (sorted(v) if isinstance(v, set) else v)
                                                    for k, v in vars(args).items()}}

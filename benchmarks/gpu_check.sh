@@ -154,10 +154,10 @@ else:
 # include/), not a list of directories that goes stale.
 export HOSTEMBED_CUDA=1 HOSTEMBED_WERROR=1
 # shellcheck disable=SC2016  # expanded by the bash -c below, not here
-BUILD_WITHOUT_PYPROJECT='tmp=$(mktemp -d) && mkdir "$tmp"/hostembed &&
+BUILD_WITHOUT_PYPROJECT='tmp=$(mktemp -d) && mkdir -p "$tmp"/hostembed/_core &&
     tar -cf - --exclude=./.git --exclude=./build --exclude=./dist --exclude=./pyproject.toml --exclude="*.so" \
         --exclude="*.o" --exclude="*.egg-info" . | tar -xf - -C "$tmp" &&
-    (cd "$tmp" && "$0" setup.py build_ext --inplace) && cp "$tmp"/hostembed/_C*.so python/hostembed/'
+    (cd "$tmp" && "$0" setup.py build_ext --inplace) && cp "$tmp"/hostembed/_core/_C*.so python/hostembed/_core/'
 BUILT=1
 # A failed attempt that a later one makes good is not a failure of the run.
 if run build 240 "$PY" -m pip install --no-build-isolation --no-deps -v .; then

@@ -25,7 +25,7 @@ def zipf(num_rows, count, gen):
 
 def main():
     if not hostembed.cuda_available():
-        sys.exit(f"gpu_sanitize.py: the GPU path cannot run here: {hostembed._cuda.unavailable_reason()}")
+        sys.exit(f"gpu_sanitize.py: the GPU path cannot run here: {hostembed._core.cuda.unavailable_reason()}")
     gen = torch.Generator().manual_seed(0)
     for dim in (13, 16):
         for kwargs in ({}, {"padding_idx": 3, "max_norm": 1.0}, {"scale_grad_by_freq": True}):

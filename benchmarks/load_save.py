@@ -99,11 +99,11 @@ def run_case(case, path, rows, dim):
         result["load_peak_bytes"] = peak.window() - baseline
         emb.weight.detach().sum()  # the first pass faults the rows in
     elif case == "allocate":
-        from hostembed.embedding import _UNINITIALISED
-        emb = hostembed.Embedding(rows, dim, _weight=_UNINITIALISED)  # what from_pretrained does before reading
+        from hostembed.nn.host_module import UNINITIALISED
+        emb = hostembed.Embedding(rows, dim, _weight=UNINITIALISED)  # what from_pretrained does before reading
     elif case.startswith("hostembed ."):
         result["allocate_seconds"] = 0.0
-        allocate = hostembed._table.allocate
+        allocate = hostembed._core.table.allocate
 
         def timed_allocate(*a, **kw):
             # Fresh memory for the table costs this VM 0.2 to 3 s per 4 GiB
@@ -115,7 +115,7 @@ def run_case(case, path, rows, dim):
             result["allocate_seconds"] += time.perf_counter() - start
             return table
 
-        hostembed._table.allocate = timed_allocate
+        hostembed._core.table.allocate = timed_allocate
         emb = hostembed.Embedding.from_pretrained(path, progress=False)
     elif case == "hostembed.load":
         emb, opt = trained_table(hostembed, rows, dim)
@@ -153,7 +153,7 @@ def run_save(directory, rows, dim, repeats):
         log(f"  {name}: {seconds:.1f} s")
 
     def plain(path):
-        from hostembed._stream import _writable_bytes  # the bytes of a tensor, no copy
+        from hostembed.io.stream import _writable_bytes  # the bytes of a tensor, no copy
 
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:

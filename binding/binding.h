@@ -54,7 +54,7 @@ typedef struct heb_buffer {
 #define HEB_BUFFER(var) heb_buffer var = {#var, NULL, 0, NULL, -1}
 
 /* PyArg "O&" converter for a heb_buffer: TypeError, naming the argument,
- * for anything but a hostembed._C.HostBuffer. */
+ * for anything but a hostembed._core._C.HostBuffer. */
 int heb_buffer_converter(PyObject *obj, void *out);
 
 /* The core's view of a [num_rows, dim] row-major float32 table over the

@@ -140,7 +140,7 @@ static PyGetSetDef heb_cache_getset[] = {
 
 static PyTypeObject heb_cache_type = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "hostembed._C.CachePlanner",
+    .tp_name = "hostembed._core._C.CachePlanner",
     .tp_doc = "CachePlanner(*, num_rows, capacity, protect)\n--\n\n"
               "The row cache's planner: which rows are in which of `capacity` slots; protect 1 (plans made "
               "after the last step) or 2 (a step ahead)",

@@ -90,7 +90,7 @@ static PyGetSetDef heb_dedup_getset[] = {
 
 static PyTypeObject heb_dedup_type = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "hostembed._C.Dedup",
+    .tp_name = "hostembed._core._C.Dedup",
     .tp_doc = "Dedup(*, ids, count, ids_int64, num_rows)\n--\n\n"
               "Sorted unique ids of a batch (ids: address of count int64 or int32 ids); "
               "IndexError for an id outside [0, num_rows)",

@@ -173,7 +173,7 @@ static PyBufferProcs heb_host_buffer_as_buffer = {
 
 static PyTypeObject heb_host_buffer_type = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "hostembed._C.HostBuffer",
+    .tp_name = "hostembed._core._C.HostBuffer",
     .tp_doc = "HostBuffer(nbytes, first_touch=False, scratch=False)\n--\n\n"
               "Zeroed, lazily backed host memory; scratch=True: recycled on release, contents undefined",
     .tp_basicsize = sizeof(heb_host_buffer),
@@ -190,7 +190,7 @@ int heb_buffer_converter(PyObject *obj, void *out)
 {
     heb_buffer *b = out;
     if (!PyObject_TypeCheck(obj, &heb_host_buffer_type)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a hostembed._C.HostBuffer (the table's own memory), got %.100s",
+        PyErr_Format(PyExc_TypeError, "%s must be a hostembed._core._C.HostBuffer (the table's own memory), got %.100s",
                      b->name, Py_TYPE(obj)->tp_name);
         return 0;
     }

@@ -1,4 +1,4 @@
-/* hostembed._C: the CPython binding of the core (csrc/) and the kernels
+/* hostembed._core._C: the CPython binding of the core (csrc/) and the kernels
  * (cuda/). binding/ is the only code that includes Python.h:
  *   module.c      PyInit__C and the module's own functions (threads, scratch
  *                 cache, CUDA_COMPILED); it registers the files below and
@@ -32,7 +32,7 @@
  *      floats "d", the call between Py_BEGIN/END_ALLOW_THREADS,
  *      heb_raise_status on failure, and a docstring starting with its text
  *      signature;
- *   3. the torch custom op in python/hostembed/_ops.py, the only Python
+ *   3. the torch custom op in python/hostembed/_core/ops/, the only Python
  *      caller of _C (schema, fake implementation, autograd; tensors become
  *      addresses there and nowhere else, and an op that touches a table
  *      holds HostTable.lock around the call). */
@@ -88,7 +88,7 @@ static PyMethodDef heb_module_methods[] = {
 };
 
 static struct PyModuleDef heb_module_def = {
-    PyModuleDef_HEAD_INIT, "hostembed._C", "hostembed's C core", -1, heb_module_methods, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "hostembed._core._C", "hostembed's C core", -1, heb_module_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__C(void)

@@ -11,8 +11,10 @@
  *      optimizers.c builds each for float and for double; in
  *      optimizers.c, a consts function and its entry in the rules table
  *      (state layout, the functions);
- *   3. the Python optimizer (python/hostembed/optimizers.py) passes the
- *      kind, its state tensors and its hyperparameters to _ops.sparse_update.
+ *   3. its kind in python/hostembed/_core/ops/update.py, and a Python
+ *      optimizer (a file in python/hostembed/optim/, over base.py) that
+ *      passes the kind, its state tensors and its hyperparameters to
+ *      update.sparse_update.
  * The loop, the checks, the coalescing of repeated rows, the fused
  * backward and every table dtype (float16 and bfloat16 rows are widened
  * into float blocks around the row function) come with it. */

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import hostembed
-from hostembed import _cuda, _ops
+from hostembed._core import cuda as _cuda
+from hostembed._core.ops import update as _ops
 
 from test_cache_module import DIM, OPTIMIZERS, ROWS, _batches
 

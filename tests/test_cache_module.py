@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hostembed
-from hostembed._cache import CacheConflict
+from hostembed._cache.row_cache import CacheConflict
 
 from conftest import zipf_ids
 

@@ -9,9 +9,10 @@ import pathlib
 import pytest
 import torch
 
-from hostembed import _ops
-from hostembed._cache import CachePlanner, RowCache
-from hostembed._table import HostTable
+from hostembed._cache.row_cache import RowCache
+from hostembed._core.ops import update as _ops
+from hostembed._core.ops.cache_plan import CachePlanner
+from hostembed._core.table import HostTable
 
 
 def _skewed_batch(gen, rows, count):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import hostembed
-from hostembed._table import table_of
+from hostembed._core.table import table_of
 
 from conftest import zipf_ids
 
@@ -109,7 +109,7 @@ def train_single(emb, opt, steps):
 
 
 def test_load_state_dict_converts_dtype_chunk_by_chunk(tmp_path, monkeypatch):
-    from hostembed import _stream
+    from hostembed.io import stream as _stream
 
     monkeypatch.setattr(_stream, "CHUNK_BYTES", 100)
     source = torch.randn(ROWS, DIM, dtype=torch.float64)
@@ -236,7 +236,7 @@ def test_load_errors_for_missing_damaged_and_foreign_files(tmp_path):
 
 MEMORY_SCRIPT = """
 import gc, json, os, sys, torch, hostembed
-from hostembed import _stream
+from hostembed.io import stream as _stream
 def peak_kib():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import hostembed
-from hostembed import _C, _cuda
+from hostembed._core import _C
+from hostembed._core import cuda as _cuda
 
 REPO = Path(__file__).resolve().parent.parent
 NO_GPU_PATH = pytest.mark.skipif(hostembed.cuda_available(), reason="the GPU path can run here")

@@ -213,7 +213,7 @@ def test_assigning_what_cannot_be_the_table_is_refused(bad, frozen):
 def test_ops_refuse_a_weight_that_is_not_the_table():
     emb = hostembed.Embedding(6, 4)
     with pytest.raises(RuntimeError, match="is not one"):
-        hostembed._ops.embedding_lookup(torch.randn(6, 4), torch.tensor([0]), -1, None, 2.0, False, True)
+        hostembed._core.ops.cpu.embedding_lookup(torch.randn(6, 4), torch.tensor([0]), -1, None, 2.0, False, True)
     assert emb(torch.tensor([0])).shape == (1, 4)  # a live table beside it is unaffected
 
 
@@ -308,14 +308,14 @@ def test_output_can_be_changed_in_place_like_torch():
 
 
 def test_max_norm_training_step_sorts_the_ids_once(monkeypatch):
-    real = hostembed._ops._C.Dedup
+    real = hostembed._core.ops.cpu._C.Dedup
     built = []
 
     def counting(**kwargs):
         built.append(kwargs["count"])
         return real(**kwargs)
 
-    monkeypatch.setattr(hostembed._ops._C, "Dedup", counting)
+    monkeypatch.setattr(hostembed._core.ops.cpu._C, "Dedup", counting)
     ref, ours = pair(50, 4, max_norm=1.0)
     ids = torch.tensor([3, 7, 3, 49])
     for model in (ref, ours):

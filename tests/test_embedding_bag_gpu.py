@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import hostembed
-from hostembed import _cuda
+from hostembed._core import cuda as _cuda
 from conftest import zipf_ids
 from test_gpu import assert_kernel_path
 

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from hostembed import _C
+from hostembed._core import _C
 
 _SHT_DYNSYM = 11
 _SHN_UNDEF, _SHN_ABS = 0, 0xFFF1

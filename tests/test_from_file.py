@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 import hostembed
-from hostembed import _stream
+from hostembed.io import stream as _stream
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -169,7 +169,7 @@ def test_tensor_source_still_works_and_key_is_refused_for_it():
 
 
 def test_torch_file_rows_are_read_from_the_file_and_strided_ones_copied(tmp_path):
-    from hostembed._files import FileRows, open_table
+    from hostembed.io.files import FileRows, open_table
 
     source = table()
     torch.save({"weight": source}, tmp_path / "c.pt")
@@ -184,7 +184,7 @@ def test_torch_file_rows_are_read_from_the_file_and_strided_ones_copied(tmp_path
 
 
 def test_file_shrinking_under_the_reader_is_an_error_not_garbage(tmp_path, monkeypatch):
-    from hostembed._files import FileRows
+    from hostembed.io.files import FileRows
 
     monkeypatch.setattr(_stream, "CHUNK_BYTES", 1024)
     path = write("npy", str(tmp_path / "t.npy"), table())

@@ -1,5 +1,5 @@
 """The GPU path's fused update, its logic run on the CPU: the real GPU
-lookup backward (_ops._gpu_lookup_backward), _fused and
+lookup backward (_core/ops/gpu.py's _gpu_lookup_backward), _core/fused.py and
 SparseAdam._fused_update, with the CUDA pieces (dedup, reduce, events,
 the Adam kernel) replaced by CPU stand-ins. What the kernels compute is
 tested in test_gpu.py on a GPU; this checks, in CI, which branch runs and
@@ -8,7 +8,10 @@ import pytest
 import torch
 
 import hostembed
-from hostembed import _fused, _lookup_gpu, _ops, _table, optim
+from hostembed import optim
+from hostembed._core import fused as _fused, table as _table
+from hostembed._core.ops import common as common_ops, gpu as gpu_ops, update as update_ops
+from hostembed.nn.lookup import gpu as _lookup_gpu
 
 N, D = 100, 8
 
@@ -57,9 +60,10 @@ def gpu_on_cpu(monkeypatch):
 
     def gpu_adam(*args, **hyper):
         calls.append("gpu_adam")
-        return _ops.adam_update(*args, **hyper)
+        return update_ops.adam_update(*args, **hyper)
 
-    eager = _ops._eager_autograd(lookup_on_cpu, _ops._gpu_lookup_setup, _ops._gpu_lookup_backward(grad_reduce, True))
+    eager = common_ops.eager_autograd(lookup_on_cpu, gpu_ops._gpu_lookup_setup,
+                                     gpu_ops._gpu_lookup_backward(grad_reduce, True))
 
     def lookup(module, ids, scale_grad_by_freq=None):
         padding = -1 if module.padding_idx is None else module.padding_idx
@@ -67,8 +71,8 @@ def gpu_on_cpu(monkeypatch):
         return eager.apply(module.weight, module._table.handle, ids, None, padding, None, 2.0, scale,
                            module.sparse)[0]
 
-    monkeypatch.setattr(_ops, "gpu_reduce", reduce)
-    monkeypatch.setattr(_ops, "gpu_adam_update", gpu_adam)
+    monkeypatch.setattr(gpu_ops, "gpu_reduce", reduce)
+    monkeypatch.setattr(gpu_ops, "gpu_adam_update", gpu_adam)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(_fused.GpuGradient, "wait", lambda self: (self.indices, self.values))

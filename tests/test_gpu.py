@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import hostembed
-from hostembed import _cuda
+from hostembed._core import cuda as _cuda
 from conftest import compile_matches_eager, zipf_ids
 
 pytestmark = [
@@ -180,7 +180,7 @@ def test_current_device_left_as_it_was():
     # The kernels' runtime shares the thread's current device with torch:
     # work on cuda:1, and freeing a table registered from cuda:1, must not
     # move later torch allocations to another GPU.
-    from hostembed._table import table_of
+    from hostembed._core.table import table_of
 
     torch.cuda.set_device(0)
     try:
@@ -476,7 +476,7 @@ def test_outputs_moved_to_the_gpu_pin_the_table_at_the_first_gpu_lookup():
 def test_freeing_tables_unregisters_them():
     # Registered buffers are unregistered before munmap: many short-lived
     # 64 MiB tables in a row would fail (or crash) otherwise.
-    from hostembed._table import table_of
+    from hostembed._core.table import table_of
 
     tables = []
     for _ in range(20):

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import hostembed
-from hostembed import _C, _ops
+from hostembed._core import _C
+from hostembed._core.ops import common as _common_ops, update as _ops
 
 
 def _snapshot(emb, opt=None):
@@ -298,7 +299,7 @@ def test_gather_takes_a_buffer_not_an_address():
     buf = _C.HostBuffer(16 * 4)
     ids, ids_args = _ids(0)
     out = torch.empty(1, 4)
-    with pytest.raises(TypeError, match=r"table must be a hostembed._C.HostBuffer .*got int"):
+    with pytest.raises(TypeError, match=r"table must be a hostembed._core._C.HostBuffer .*got int"):
         _C.gather(table=buf.address, num_rows=4, dim=4, dtype=0, **ids_args, out=out.data_ptr())
 
 
@@ -341,7 +342,7 @@ def test_optimizer_state_buffers_too_small_shared_or_miscounted():
         _C.sparse_update(kind=0, weight=w, state=(v,), **hyper)
     with pytest.raises(ValueError, match="unknown optimizer kind 9"):
         _C.sparse_update(kind=9, weight=w, state=(), **hyper)
-    with pytest.raises(TypeError, match="exp_avg must be a hostembed._C.HostBuffer"):
+    with pytest.raises(TypeError, match="exp_avg must be a hostembed._core._C.HostBuffer"):
         _C.sparse_update(kind=0, weight=w, state=(1, v), **hyper)
     # Row-wise Adagrad keeps one value per row: 4 rows need 16 bytes.
     with pytest.raises(ValueError, match=r"sum: a \[4, 1\] float32 table .* needs 16 bytes, but its buffer has 12"):
@@ -359,12 +360,12 @@ def test_renorm_refuses_a_dedup_built_for_another_table():
         _C.renorm(table=buf, num_rows=4, dim=4, dtype=0, dedup=dedup, max_norm=0.0, norm_type=2.0)
 
 
-@pytest.mark.skipif(not _ops.CUDA_COMPILED, reason="the CUDA bindings are not compiled in")
+@pytest.mark.skipif(not _common_ops.CUDA_COMPILED, reason="the CUDA bindings are not compiled in")
 def test_cuda_bindings_check_the_buffer_before_any_cuda_call():
     # These raise before anything reaches CUDA, so they run without a GPU.
     buf = _C.HostBuffer(64)
     common = dict(rows=0, count=1, device=0, stream=0)
-    with pytest.raises(TypeError, match="table must be a hostembed._C.HostBuffer"):
+    with pytest.raises(TypeError, match="table must be a hostembed._core._C.HostBuffer"):
         _C.cuda_gather(table=buf.address, num_rows=4, dim=4, out=0, **common)
     with pytest.raises(ValueError, match="needs 80 bytes, but its buffer has 64"):
         _C.cuda_gather(table=buf, num_rows=5, dim=4, out=0, **common)

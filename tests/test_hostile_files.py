@@ -2,7 +2,7 @@
 
 Every reproducer of the 2026-11-22 file fuzzing issue (R6, R6b, R7, R8, R9,
 R12) is rebuilt here byte for byte and must give the documented exception
-(ValueError / TypeError / KeyError, see hostembed._files), naming the file and
+(ValueError / TypeError / KeyError, see hostembed/io/files.py), naming the file and
 the field, in a message of bounded length, without allocating anything
 proportional to the size the file claims: those loads run in a child process
 that measures its peak RSS (ru_maxrss) and runs under an address-space limit

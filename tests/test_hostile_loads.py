@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import hostembed
-from hostembed import checkpoint as checkpoint_module
+from hostembed.io import checkpoint as checkpoint_module
 
 ROWS, DIM = 6, 4
 
@@ -444,7 +444,7 @@ def test_interrupt_while_copying_passes_through_with_a_note(tmp_path, monkeypatc
 
 
 def test_sparse_adam_in_place_copy_failure_says_partially_loaded(monkeypatch):
-    from hostembed import optim
+    from hostembed.optim import sparse_adam as optim
 
     model, opts = build()
     sd = copy.deepcopy(opts[0].state_dict())
@@ -458,7 +458,7 @@ def test_sparse_adam_in_place_copy_failure_says_partially_loaded(monkeypatch):
 
     monkeypatch.setattr(optim, "_copy", failing)
     # _LoadPlan binds fill at construction: patch the default too
-    monkeypatch.setattr(optim._LoadPlan.__init__, "__defaults__", (failing,))
+    monkeypatch.setattr(optim.LoadPlan.__init__, "__defaults__", (failing,))
     with pytest.raises(RuntimeError, match=r"copying 'exp_avg_sq' of parameter 0 into the optimizer's state failed "
                                            r"part way .* partially loaded \(exp_avg of parameter 0, part of exp_avg_sq "
                                            r"of parameter 0 overwritten; hyperparameters and steps unchanged\)"):
@@ -511,7 +511,7 @@ def test_checkpoint_renamed_over_while_loading_is_not_mixed_in(tmp_path, monkeyp
 TRUNCATED_SCRIPT = """
 import copy, os, sys, torch, hostembed
 from torch import nn
-from hostembed import checkpoint
+from hostembed.io import checkpoint
 path, fresh = sys.argv[1], sys.argv[2] == "fresh"
 torch.manual_seed(0)
 def build(seed):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hostembed
-from hostembed import _prefetch
+from hostembed.nn.lookup import prefetch as _prefetch
 from conftest import zipf_ids
 
 N, D = 400, 12

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hostembed
-from hostembed import _stream
+from hostembed.io import stream as _stream
 
 PERCENT = re.compile(r"(\d+)%")
 
@@ -91,7 +91,7 @@ def test_no_output_when_off_or_small(capsys, monkeypatch, progress):
 def test_a_terminal_still_gets_the_live_bar():
     code = textwrap.dedent("""
         import torch
-        from hostembed import _stream
+        from hostembed.io import stream as _stream
         _stream.CHUNK_BYTES = 1024
         src = torch.randn(10_000, 16)
         _stream.copy_rows(torch.empty_like(src), src, progress=True, desc="copying rows")

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import hostembed
-from hostembed._table import table_of
+from hostembed._core.table import table_of
 
 
 class Tower(nn.Module):

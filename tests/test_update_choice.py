@@ -4,7 +4,7 @@ test_gpu.py; the choice itself is plain logic, tested here)."""
 import pytest
 
 import hostembed
-from hostembed._update_choice import UpdateChooser
+from hostembed.optim.update_choice import UpdateChooser
 
 
 def run(chooser, seconds):

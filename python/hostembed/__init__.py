@@ -3,22 +3,41 @@
 Drop-ins for torch.nn.Embedding and torch.nn.EmbeddingBag whose table and
 optimizer state live in host memory, with a threaded SIMD C core doing the
 lookups and the updates in place.
+
+The package, by layer (each imports only from the layers below it):
+  nn/      Embedding, EmbeddingBag, replace_embeddings, clip_grad_norm_; the
+           lookup paths (nn/lookup/)
+  optim/   SparseAdam, SGD, Adagrad, RowWiseAdagrad
+  io/      table files, chunked loads, load checks, checkpoints (save, load)
+  _cache/  the row cache (private)
+  _core/   the boundary to the C core (private): HostTable, ids, the
+           custom ops (_core/ops/), whether CUDA can run
 """
-from . import _ops
-from ._cuda import cuda_available, cuda_compiled
-from ._ids import IdDtypeError
-from .checkpoint import load, save
-from .clip import clip_grad_norm_
-from .embedding import Embedding
-from .embedding_bag import EmbeddingBag
-from .optim import SparseAdam
-from .optimizers import SGD, Adagrad, RowWiseAdagrad
-from .replace import replace_embeddings
+import sys as _sys
+
+from ._core.cuda import cuda_available, cuda_compiled
+from ._core.ids import IdDtypeError
+from ._core.ops import common as _common_ops
+from .io import checkpoint as _checkpoint
+from .io.checkpoint import load, save
+from .nn import Embedding, EmbeddingBag, clip_grad_norm_, replace_embeddings
+from .nn import clip as _clip, embedding as _embedding, embedding_bag as _embedding_bag, replace as _replace
+from . import optim as _optim
+from .optim import SGD, Adagrad, RowWiseAdagrad, SparseAdam
 
 __version__ = "0.1.0"
 __all__ = ["Embedding", "EmbeddingBag", "SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad", "IdDtypeError", "save",
            "load", "replace_embeddings", "set_num_threads", "get_num_threads", "empty_cache", "cuda_available",
            "cuda_compiled", "clip_grad_norm_"]
+
+# The public modules of the flat layout this package had before its
+# subpackages, under their old names: pickles of modules saved then name
+# hostembed.embedding.Embedding, and code may import them
+# (hostembed.optim was SparseAdam's module and is now the optim package).
+for _name, _module in (("embedding", _embedding), ("embedding_bag", _embedding_bag), ("checkpoint", _checkpoint),
+                       ("clip", _clip), ("replace", _replace), ("optimizers", _optim)):
+    _sys.modules.setdefault(f"{__name__}.{_name}", _module)
+del _name, _module
 
 
 def set_num_threads(n: int) -> None:
@@ -30,16 +49,16 @@ def set_num_threads(n: int) -> None:
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"set_num_threads expects an int, got {type(n).__name__}")
-    _ops.set_num_threads(n)
+    _common_ops.set_num_threads(n)
 
 
 def get_num_threads() -> int:
     """The number of threads the core uses."""
-    return _ops.get_num_threads()
+    return _common_ops.get_num_threads()
 
 
 def empty_cache() -> None:
     """Returns to the OS the per-step buffers (outputs, gradient values) the
     core keeps for reuse; like torch.cuda.empty_cache, only needed when
     memory is tight between phases of different batch sizes."""
-    _ops.empty_cache()
+    _common_ops.empty_cache()

@@ -1,7 +1,7 @@
 """The CPU path of hostembed.Embedding: the core's threads gather rows into
 host memory; outputs go to another device with one copy."""
-from . import _ops
-from ._ids import prepare_ids
+from ..._core.ids import prepare_ids
+from ..._core.ops import cpu as cpu_ops
 
 
 def lookup(module, ids, scale_grad_by_freq=None):
@@ -9,17 +9,17 @@ def lookup(module, ids, scale_grad_by_freq=None):
     module's options; scale_grad_by_freq overrides the module's."""
     if scale_grad_by_freq is None:
         scale_grad_by_freq = module.scale_grad_by_freq
-    lookup_fn = _ops.fused_embedding_lookup if module._table.fused else _ops.embedding_lookup
-    out = lookup_fn(module.weight, prepare_ids(ids), _padding(module), _max_norm(module), float(module.norm_type),
+    lookup_fn = cpu_ops.fused_embedding_lookup if module._table.fused else cpu_ops.embedding_lookup
+    out = lookup_fn(module.weight, prepare_ids(ids), padding_of(module), max_norm_of(module), float(module.norm_type),
                     scale_grad_by_freq, module.sparse)
     if module.output_device.type != "cpu":
         out = out.to(module.output_device)
     return out
 
 
-def _padding(module):
+def padding_of(module):
     return -1 if module.padding_idx is None else module.padding_idx
 
 
-def _max_norm(module):
+def max_norm_of(module):
     return None if module.max_norm is None else float(module.max_norm)

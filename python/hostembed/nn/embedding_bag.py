@@ -3,11 +3,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _bag_cpu, _bags, _lookup_cpu, _lookup_gpu, _ops
-from ._host_module import _UNINITIALISED, HostTableModule, padding_index, pretrained_source
-from ._table import check_table_dtype
-from ._ids import prepare_ids
-from ._lookup_cpu import _max_norm
+from .._core.ids import prepare_ids
+from .._core.ops import cpu as cpu_ops
+from .._core.table import check_table_dtype
+from .host_module import UNINITIALISED, HostTableModule, padding_index, pretrained_source
+from .lookup import bag_cpu as _bag_cpu, bag_input as _bags, cpu as _lookup_cpu, gpu as _lookup_gpu
+from .lookup.cpu import max_norm_of
 
 
 class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
@@ -63,7 +64,7 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
             out = _bag_cpu.PooledLookup.apply(
                 self.weight, prepare_ids(ids, _bags.WHO), offsets.to("cpu"),
                 None if per_sample_weights is None else per_sample_weights.to("cpu"), self.mode,
-                include_last_offset, padding_idx, _max_norm(self), float(self.norm_type), self.scale_grad_by_freq,
+                include_last_offset, padding_idx, max_norm_of(self), float(self.norm_type), self.scale_grad_by_freq,
                 self.sparse)
             self._last_lookup_path = "cpu"
             return out.to(self._output_device)
@@ -112,7 +113,7 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
         on the GPU for GPU ids (the lookup range-checks them)."""
         if gpu and ids.device.type == "cuda":
             return torch.unique(ids, return_inverse=True)
-        return _ops.unique_ids(ids.to("cpu"), self.num_embeddings)
+        return cpu_ops.unique_ids(ids.to("cpu"), self.num_embeddings)
 
     def _get_name(self):
         return "hostembed.EmbeddingBag"
@@ -127,7 +128,7 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
         source = pretrained_source(embeddings, key)
         rows, cols = source.shape
         check_table_dtype(source.dtype, "hostembed.EmbeddingBag.from_pretrained")
-        bag = cls(num_embeddings=rows, embedding_dim=cols, _weight=_UNINITIALISED, _freeze=freeze,
+        bag = cls(num_embeddings=rows, embedding_dim=cols, _weight=UNINITIALISED, _freeze=freeze,
                   dtype=source.dtype,
                   max_norm=max_norm, norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq, mode=mode,
                   sparse=sparse, include_last_offset=include_last_offset, padding_idx=padding_idx)

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from . import _ops
+from .._core.ops import common as common_ops
 
 CHUNK_BYTES = 16 << 20
 PROGRESS_MIN_BYTES = 1 << 30
@@ -201,7 +201,7 @@ def read_rows(rows, dst, *, progress=None):
                 dst[start:stop].copy_(chunk)
             return (stop - start) * row_bytes
 
-        workers = max(1, min(4, _ops.get_num_threads()))
+        workers = max(1, min(4, common_ops.get_num_threads()))
         pool = ThreadPoolExecutor(workers, thread_name_prefix="hostembed-read")
         try:
             with progress_bar(rows.nbytes, progress, f"loading {os.path.basename(rows.path)}") as bar, \

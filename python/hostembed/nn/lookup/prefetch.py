@@ -35,7 +35,7 @@ MAX_REREAD = 0.25
 
 class Prefetch:
     def __init__(self, table, weight, ids, out, gather):
-        """gather() fills out with the rows of ids (_ops.gather_later)."""
+        """gather() fills out with the rows of ids (_core.ops.cpu.gather_later)."""
         self.table, self.ids = table, ids
         self.version = weight._version
         # Rows changed since: int64 CPU id tensors, or None for "any row".

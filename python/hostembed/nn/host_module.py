@@ -8,17 +8,17 @@ import warnings
 import torch
 from torch import nn
 
-from . import _validate
-from ._cuda import require_cuda, resolve_device, unavailable_reason
-from ._files import FileRows, open_table
-from ._stream import copy_rows, read_rows
-from ._cache import RowCache
-from ._ops import CUDA_COMPILED
-from ._table import HostTable, check_table_dtype, dtype_name
+from .._cache.row_cache import RowCache
+from .._core.cuda import require_cuda, resolve_device, unavailable_reason
+from .._core.ops.common import CUDA_COMPILED
+from .._core.table import HostTable, check_table_dtype, dtype_name
+from ..io import validate as _validate
+from ..io.files import FileRows, open_table
+from ..io.stream import copy_rows, read_rows
 
 # _weight value that leaves a new table zeroed instead of drawing N(0, 1):
 # for tables about to be filled from a file or another module.
-_UNINITIALISED = object()
+UNINITIALISED = object()
 
 
 def padding_index(padding_idx, num_embeddings, word="Padding_idx"):
@@ -62,7 +62,7 @@ class HostTableModule:
             raise ValueError(
                 f"num_embeddings and embedding_dim must be >= 0, got {num_embeddings} and {embedding_dim}"
             )
-        if _weight is not None and _weight is not _UNINITIALISED:
+        if _weight is not None and _weight is not UNINITIALISED:
             assert list(_weight.shape) == [num_embeddings, embedding_dim], (
                 "Shape of weight does not match num_embeddings and embedding_dim"
             )
@@ -88,7 +88,7 @@ class HostTableModule:
         self._last_lookup_path = None
         if _weight is None:
             self.reset_parameters()  # torch's: the same draws as torch for the same seed
-        elif _weight is not _UNINITIALISED:
+        elif _weight is not UNINITIALISED:
             copy_rows(self.weight.data, _weight)
         self._cache_rows = cache_rows
         self._make_cache()

@@ -5,8 +5,8 @@ import warnings
 import torch
 from torch import nn
 
-from ._stream import copy_rows
-from ._host_module import _UNINITIALISED, HostTableModule
+from ..io.stream import copy_rows
+from .host_module import UNINITIALISED, HostTableModule
 from .embedding import Embedding
 from .embedding_bag import EmbeddingBag
 
@@ -77,7 +77,7 @@ def _to_host(old, sparse, progress):
     device = weight.device if weight.device.type not in ("cpu", "meta") else None
     options = dict(padding_idx=old.padding_idx, max_norm=old.max_norm, norm_type=old.norm_type,
                    scale_grad_by_freq=old.scale_grad_by_freq, sparse=old.sparse if sparse is None else sparse,
-                   _weight=_UNINITIALISED, _freeze=not weight.requires_grad, device=device, dtype=weight.dtype)
+                   _weight=UNINITIALISED, _freeze=not weight.requires_grad, device=device, dtype=weight.dtype)
     if isinstance(old, nn.EmbeddingBag):
         new = EmbeddingBag(old.num_embeddings, old.embedding_dim, mode=old.mode,
                            include_last_offset=old.include_last_offset, **options)

@@ -4,8 +4,8 @@ read or renormed, so a refused input changes nothing."""
 import torch
 from torch import Tensor
 
-from ._ids import check_ids
-from ._ops import _custom_op
+from ..._core.ids import check_ids
+from ..._core.ops.common import custom_op
 
 MODES = ("sum", "mean", "max")
 WHO = "hostembed.EmbeddingBag"
@@ -116,7 +116,7 @@ def _check_offsets(offsets, count, include_last_offset):
     return int(last)
 
 
-@_custom_op("hostembed::checked_offsets")
+@custom_op("hostembed::checked_offsets")
 def checked_offsets(offsets: Tensor, count: int, include_last_offset: bool) -> Tensor:
     """A copy of the offsets once _check_offsets passes them, for traced
     code. There the last offset must be the input's length, as torch

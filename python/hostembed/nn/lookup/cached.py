@@ -3,7 +3,7 @@ batch's unique rows are planned (_cache.RowCache), read from their slots
 or, where they bypass the cache, from host memory, and expanded to the
 ids' positions; backward is the uncached one (the gradient's rows summed
 per unique id), and the optimizers' updates go through the cache
-(_ops.sparse_update).
+(_core.ops.update.sparse_update).
 
 Look-ahead: prefetch(ids) plans the next batch a step early, while this
 one's update is still to come; its fetches that must see that update (rows
@@ -16,8 +16,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import _fused, _ops
-from ._ids import check_ids, prepare_ids
+from ..._core import fused as _fused
+from ..._core.ids import check_ids, prepare_ids
+from ..._core.ops import common as common_ops, cpu as cpu_ops, gpu as gpu_ops
 
 
 class _Planned(NamedTuple):
@@ -34,7 +35,7 @@ def plan_ahead(table, ids) -> None:
     finish_planned(table)
     cache = table.cache
     ids = prepare_ids(ids).clone()  # the caller may refill its tensor before the lookup
-    dedup, unique, inverse = _ops.dedup_ids(ids, table.num_rows)
+    dedup, unique, inverse = cpu_ops.dedup_ids(ids, table.num_rows)
     with table.lock:
         table.planned = _Planned(ids, dedup, unique, inverse, cache.plan(unique))
 
@@ -55,7 +56,7 @@ def _batch(table, ids):
     if planned is not None and planned.ids.shape == ids.shape and torch.equal(planned.ids, ids):
         table.prefetch_outcome = "taken: planned ahead"
         return planned.dedup, planned.unique, planned.inverse, planned.plan
-    dedup, unique, inverse = _ops.dedup_ids(ids, table.num_rows)
+    dedup, unique, inverse = cpu_ops.dedup_ids(ids, table.num_rows)
     return dedup, unique, inverse, _plan_now(table, unique)
 
 
@@ -84,12 +85,12 @@ class _CachedLookup(torch.autograd.Function):
             rows = table.cache.rows(plan, unique)
         out = rows[inverse].view(*ids.shape, table.dim)
         ctx.dedup, ctx.table = dedup, table
-        _ops._lookup_setup(ctx, (weight, ids, padding_idx, None, None, scale_grad_by_freq, sparse), out)
+        cpu_ops.lookup_setup(ctx, (weight, ids, padding_idx, None, None, scale_grad_by_freq, sparse), out)
         return out if device.type == "cpu" else out.to(device)
 
     @staticmethod
     def backward(ctx, grad_out):
-        return _ops._lookup_backward(ctx, grad_out)[:5] + (None, None)
+        return cpu_ops.lookup_backward(ctx, grad_out)[:5] + (None, None)
 
 
 class _CachedGpuLookup(torch.autograd.Function):
@@ -103,7 +104,7 @@ class _CachedGpuLookup(torch.autograd.Function):
     def forward(ctx, weight, ids, padding_idx, scale_grad_by_freq, sparse, table, device):
         cache = table.cache
         with torch.cuda.device(device):
-            count, unique, offsets, order, inverse, (num_unique, padding_slot) = _ops.gpu_dedup(
+            count, unique, offsets, order, inverse, (num_unique, padding_slot) = gpu_ops.gpu_dedup(
                 table, ids, device, padding_idx)
             unique_host = unique[:num_unique].cpu()
             plan = _gpu_plan(table, unique_host)
@@ -124,18 +125,18 @@ class _CachedGpuLookup(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return (None,) * 7
         if table.fused and _fused.optimizer_of(table) is not None:
-            indices, values = _ops.gpu_reduce(table, grad_out, unique, offsets, order, inverse, info,
+            indices, values = gpu_ops.gpu_reduce(table, grad_out, unique, offsets, order, inverse, info,
                                               scale_grad_by_freq)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(values.device))
             if _fused.take_gradient(table, _fused.GpuGradient(indices, values, ready)):
                 return (None,) * 7
         # weight.grad on the CPU, as autograd requires; the sums' GPU copy
-        # is kept for the update of the records (_lookup_gpu.GradTwin).
+        # is kept for the update of the records (_core/ops/gpu.py's GradTwin).
         table.twin_wanted = True
-        indices, values = _ops.gpu_grad_reduce(table.handle, grad_out, unique, offsets, order, inverse, info,
+        indices, values = gpu_ops.gpu_grad_reduce(table.handle, grad_out, unique, offsets, order, inverse, info,
                                                scale_grad_by_freq)
-        grad = _ops.weight_grad(indices, values, table.num_rows, table.dim, sparse)
+        grad = common_ops.weight_grad(indices, values, table.num_rows, table.dim, sparse)
         return grad, None, None, None, None, None, None
 
 

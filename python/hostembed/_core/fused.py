@@ -1,4 +1,4 @@
-"""The fused mode of hostembed.SparseAdam (fused=True): a table's update is
+"""The fused mode of hostembed's optimizers (fused=True): a table's update is
 applied in backward, from the lookup's output gradient, and no weight.grad
 is built.
 
@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._table import table_of
+from .table import table_of
 
 ACCUMULATION_MESSAGE = (
     "hostembed: this table is updated by SparseAdam(fused=True) in backward, and a second backward reached it "

@@ -5,12 +5,12 @@ is given GPU outputs; a CUDA context is made by the first GPU lookup.
 """
 import torch
 
-from . import _ops
+from .ops.common import CUDA_COMPILED
 
 
 def cuda_compiled() -> bool:
     """True when the extension was built with its CUDA kernels."""
-    return _ops.CUDA_COMPILED
+    return CUDA_COMPILED
 
 
 def cuda_available() -> bool:

@@ -49,7 +49,7 @@ def describe(value):
 # ---- hyperparameters
 
 
-def _real(value, name, where, *, tensor_ok=True):
+def real_value(value, name, where, *, tensor_ok=True):
     """value as a float for range checks: a real number (not a bool) or, as
     torch's constructors allow for lr and betas, a 1-element real tensor."""
     if isinstance(value, torch.Tensor) and tensor_ok:
@@ -68,7 +68,7 @@ def _real(value, name, where, *, tensor_ok=True):
     return float(value)
 
 
-def _flag(group, name, where, *, none_ok=False):
+def flag(group, name, where, *, none_ok=False):
     if name not in group:
         return
     value = group[name]
@@ -83,13 +83,13 @@ def _betas(group, where):
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise TypeError(f"{where}: 'betas' must be a pair (beta1, beta2), found {describe(betas)}")
     for index, beta in enumerate(betas):
-        value = _real(beta, f"betas[{index}]", where)
+        value = real_value(beta, f"betas[{index}]", where)
         if not 0.0 <= value < 1.0:
             raise ValueError(f"{where}: Invalid beta parameter at index {index}: expected 0 <= betas[{index}] < 1, "
                              f"found {value!r}")
 
 
-def _require(group, keys, where):
+def require_keys(group, keys, where):
     missing = [key for key in keys if key not in group]
     if missing:
         raise ValueError(f"{where}: the param group has no {', '.join(repr(k) for k in missing)} "
@@ -101,15 +101,15 @@ def check_sparse_adam_group(group, where):
     param group: 0 <= beta < 1, eps > 0, and lr >= 0 (the constructor asks
     lr > 0, but a scheduler may drive lr to 0, e.g. cosine annealing to
     eta_min=0, and that checkpoint must load); maximize a bool."""
-    _require(group, ("lr", "betas", "eps"), where)
-    lr = _real(group["lr"], "lr", where)
+    require_keys(group, ("lr", "betas", "eps"), where)
+    lr = real_value(group["lr"], "lr", where)
     if not lr >= 0.0:
         raise ValueError(f"{where}: Invalid learning rate: expected lr >= 0, found {lr!r}")
-    eps = _real(group["eps"], "eps", where, tensor_ok=False)
+    eps = real_value(group["eps"], "eps", where, tensor_ok=False)
     if not eps > 0.0:
         raise ValueError(f"{where}: Invalid epsilon value: expected eps > 0, found {eps!r}")
     _betas(group, where)
-    _flag(group, "maximize", where)
+    flag(group, "maximize", where)
     check_plain_values(group, where, skip=("params", "lr", "betas", "eps", "maximize"))
 
 
@@ -120,32 +120,32 @@ def check_torch_group(optimizer, group, where):
     # Required: what the class's __setstate__ does not default (an older
     # torch's checkpoint lacks the flags added since).
     if isinstance(optimizer, torch.optim.Adam):  # AdamW too
-        _require(group, ("lr", "betas", "eps", "weight_decay"), where)
+        require_keys(group, ("lr", "betas", "eps", "weight_decay"), where)
         _betas(group, where)
-        eps = _real(group["eps"], "eps", where, tensor_ok=False)
+        eps = real_value(group["eps"], "eps", where, tensor_ok=False)
         if not eps >= 0.0:
             raise ValueError(f"{where}: Invalid epsilon value: expected eps >= 0, found {eps!r}")
         for name in ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay"):
-            _flag(group, name, where)
+            flag(group, name, where)
         for name in ("foreach", "fused"):
-            _flag(group, name, where, none_ok=True)
+            flag(group, name, where, none_ok=True)
     elif isinstance(optimizer, torch.optim.SGD):
-        _require(group, ("lr", "momentum", "dampening", "weight_decay"), where)
-        momentum = _real(group["momentum"], "momentum", where, tensor_ok=False)
+        require_keys(group, ("lr", "momentum", "dampening", "weight_decay"), where)
+        momentum = real_value(group["momentum"], "momentum", where, tensor_ok=False)
         if not momentum >= 0.0:
             raise ValueError(f"{where}: Invalid momentum value: expected momentum >= 0, found {momentum!r}")
-        _real(group["dampening"], "dampening", where, tensor_ok=False)
+        real_value(group["dampening"], "dampening", where, tensor_ok=False)
         for name in ("nesterov", "maximize", "differentiable"):
-            _flag(group, name, where)
+            flag(group, name, where)
         for name in ("foreach", "fused"):
-            _flag(group, name, where, none_ok=True)
+            flag(group, name, where, none_ok=True)
     elif "lr" not in group:
         return
-    lr = _real(group["lr"], "lr", where)
+    lr = real_value(group["lr"], "lr", where)
     if not lr >= 0.0:
         raise ValueError(f"{where}: Invalid learning rate: expected lr >= 0, found {lr!r}")
     if "weight_decay" in group:
-        decay = _real(group["weight_decay"], "weight_decay", where, tensor_ok=False)
+        decay = real_value(group["weight_decay"], "weight_decay", where, tensor_ok=False)
         if not decay >= 0.0:
             raise ValueError(f"{where}: Invalid weight_decay value: expected weight_decay >= 0, found {decay!r}")
 

@@ -5,19 +5,21 @@ import time
 import torch
 from torch.optim import _functional as torch_functional
 
-from . import _fused, _ops, _validate
-from ._cache import flush_optimizer_tables, forget_optimizer_state
-from ._lookup_gpu import take_grad_twin
-from ._stream import copy_rows
-from ._table import table_of
-from ._update_choice import UpdateChooser
-from .optimizers import check_row_sparse, owned_state
+from .._cache.row_cache import flush_optimizer_tables, forget_optimizer_state
+from .._core import fused as _fused
+from .._core.ops import gpu as gpu_ops, update as update_ops
+from .._core.ops.gpu import take_grad_twin
+from .._core.table import table_of
+from ..io import validate as _validate
+from ..io.stream import copy_rows
+from .base import check_row_sparse, owned_state
+from .update_choice import UpdateChooser
 
 _STATE_TENSORS = ("exp_avg", "exp_avg_sq")
 _STATE_KEYS = ("step",) + _STATE_TENSORS
 
 # Where the update of a table whose gradient came from a GPU lookup runs:
-# "auto" times both on the first steps and keeps the faster (_update_choice.py).
+# "auto" times both on the first steps and keeps the faster (update_choice.py).
 DEFAULT_UPDATE = "auto"
 UPDATES = ("auto", "gpu", "cpu")
 
@@ -162,7 +164,7 @@ class SparseAdam(torch.optim.SparseAdam):
             # host memory.
             if twin is not None and twin.device == table.cache.device:
                 indices, values = twin.indices, twin.values
-            _ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
+            update_ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
             self._last_update = "cache"
             self.state[p].update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
             return
@@ -184,9 +186,9 @@ class SparseAdam(torch.optim.SparseAdam):
             torch.cuda.synchronize(twin.device)
             start = time.perf_counter()
         if on_gpu:
-            _ops.gpu_adam_update(p, exp_avg, exp_avg_sq, twin.indices, twin.values, **hyper)
+            gpu_ops.gpu_adam_update(p, exp_avg, exp_avg_sq, twin.indices, twin.values, **hyper)
         else:
-            _ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
+            update_ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
         if chooser is not None:
             chooser.record(self._last_update, time.perf_counter() - start)
         self._want_grad_twin(table)
@@ -204,12 +206,12 @@ class SparseAdam(torch.optim.SparseAdam):
             # One update of the summed gradient, as unfused: the reduced
             # gradients concatenated in the order autograd would have
             # accumulated them; the core sums repeated rows in that order.
-            parts = [_ops.reduce_to_host(table, g) for g in gradients]
+            parts = [update_ops.reduce_to_host(table, g) for g in gradients]
             indices, values = torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
-            _ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
+            update_ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
             self._last_update = "cpu" if table.cache is None else "cache"
         elif isinstance(gradients[0], _fused.CpuGradient):
-            _ops.fused_adam_update(p, exp_avg, exp_avg_sq, gradients[0], **hyper)
+            update_ops.fused_adam_update(p, exp_avg, exp_avg_sq, gradients[0], **hyper)
             self._last_update = "cpu"
         else:
             # GPU outputs: the sums stay on the GPU and the kernel updates
@@ -217,13 +219,13 @@ class SparseAdam(torch.optim.SparseAdam):
             # copy of the gradient to the host, which is what "cpu" costs).
             indices, values = gradients[0].wait()
             if table.cache is not None:
-                _ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
+                update_ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
                 self._last_update = "cache"
             elif self.update != "cpu" and self._gpu_ready(p, table, exp_avg, exp_avg_sq, values.device):
-                _ops.gpu_adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
+                gpu_ops.gpu_adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
                 self._last_update = "gpu"
             else:
-                _ops.adam_update(p, exp_avg, exp_avg_sq, indices.cpu(), values.cpu(), **hyper)
+                update_ops.adam_update(p, exp_avg, exp_avg_sq, indices.cpu(), values.cpu(), **hyper)
                 self._last_update = "cpu"
         self.state[p].update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
 
@@ -283,10 +285,15 @@ class SparseAdam(torch.optim.SparseAdam):
         copies run (a read error of the source, an interrupt) can leave the
         optimizer partially loaded: that raises RuntimeError saying so.
         """
-        plan = _LoadPlan(self, state_dict, "SparseAdam.load_state_dict")
+        plan = LoadPlan(self, state_dict, "SparseAdam.load_state_dict")
         plan.stage()
         plan.copy_in_place()
         plan.install()
+
+    def _checkpoint_load_plan(self, state_dict, where):
+        """hostembed.load's plan of this optimizer's state (the method that
+        io/checkpoint.py's LOAD_PLAN names)."""
+        return LoadPlan(self, state_dict, where)
 
 
 def _weight_decay_of(group, where):
@@ -334,7 +341,7 @@ class _Moment:
         self.in_place = current is not None
 
 
-class _LoadPlan:
+class LoadPlan:
     """A SparseAdam state dict, checked in full, and how it will be installed.
 
     stage(): allocates the host buffers the load needs and fills those that

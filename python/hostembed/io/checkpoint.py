@@ -59,13 +59,20 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from . import _validate
-from ._files import _LOADABLE, FileRows
-from ._stream import copy_rows, progress_bar, read_rows
-from ._table import table_of
+from .._core.table import table_of
+from . import validate as _validate
+from .files import LOADABLE, FileRows
+from .stream import copy_rows, progress_bar, read_rows
 
 FORMAT = "hostembed.checkpoint"
 VERSION = 1
+
+# The method of an optimizer whose state hostembed.load stages itself rather
+# than through load_state_dict (SparseAdam: its moments are read straight
+# into host buffers, never held twice): (state_dict, where) -> a plan with
+# stage(), in_place_bytes(), copy_in_place() and install(), whose `fill` the
+# load sets. Asked for by name: the optimizers sit above this layer.
+LOAD_PLAN = "_checkpoint_load_plan"
 
 # Host rows are read in pieces of this size, so the progress bar moves.
 _READ_PIECE_BYTES = 256 << 20
@@ -244,15 +251,15 @@ class _Load:
                                  f"hostembed reads versions 1 to {VERSION}")
 
     def _check_optimizer(self, index, opt, state):
-        """The optimizer's full check; a plan for a SparseAdam, None for
-        a torch optimizer (whose load_state_dict was dry-run)."""
-        from .optim import SparseAdam, _LoadPlan
-
+        """The optimizer's full check; the plan of an optimizer that stages
+        its own load (a SparseAdam), None for the others (whose
+        load_state_dict was dry-run)."""
         where = f"hostembed.load: '{self.path}': optimizer [{index}] ({type(opt).__name__})"
         try:
             _check_optimizer_fits(self.path, state, opt, where)
-            if isinstance(opt, SparseAdam):
-                return _LoadPlan(opt, state, where)
+            load_plan = getattr(opt, LOAD_PLAN, None)
+            if load_plan is not None:
+                return load_plan(state, where)
             _validate.check_torch_optimizer(opt, state, where)
             return None
         except _validate.DoesNotFit as exc:
@@ -376,7 +383,7 @@ class _FileMappings:
     def rows(self, source, tensor):
         """A FileRows for a contiguous 2-D tensor mapped from the file, else None."""
         if tensor.layout != torch.strided or tensor.device.type != "cpu" or tensor.dim() != 2 \
-                or not tensor.is_contiguous() or tensor.dtype not in _LOADABLE or tensor.numel() == 0:
+                or not tensor.is_contiguous() or tensor.dtype not in LOADABLE or tensor.numel() == 0:
             return None
         offset = self.offset(tensor.data_ptr())
         if offset is None:

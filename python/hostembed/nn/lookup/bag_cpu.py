@@ -19,7 +19,8 @@ embedding_bag with its autograd); torch.compile through its traced path
 import torch
 import torch.nn.functional as F
 
-from . import _fused, _ops
+from ..._core import fused as _fused
+from ..._core.ops import common as common_ops, cpu as cpu_ops
 
 
 class PooledLookup(torch.autograd.Function):
@@ -28,8 +29,8 @@ class PooledLookup(torch.autograd.Function):
     def forward(ctx, weight, ids, offsets, per_sample_weights, mode, include_last_offset, padding_idx, max_norm,
                 norm_type, scale_grad_by_freq, sparse):
         num_rows = weight.shape[0]
-        dedup, unique, inverse = _ops.dedup_ids(ids, num_rows)
-        rows, _, table = _ops._lookup_rows(weight, unique, max_norm, norm_type)
+        dedup, unique, inverse = cpu_ops.dedup_ids(ids, num_rows)
+        rows, _, table = cpu_ops.lookup_rows(weight, unique, max_norm, norm_type)
         out = F.embedding_bag(inverse, rows, offsets, mode=mode, per_sample_weights=per_sample_weights,
                               include_last_offset=include_last_offset, padding_idx=padding_row(unique, padding_idx))
         ctx.table, ctx.dedup, ctx.table_shape = table, dedup, tuple(weight.shape)
@@ -60,9 +61,9 @@ class PooledLookup(torch.autograd.Function):
             table, pooling = ctx.table, _fused.Pooling(bag_of, row_weights)
             if not (table.fused and _fused.take_gradient(table, _fused.CpuGradient(
                     ids, grad_out, padding_idx, scale_grad_by_freq, ctx.dedup, pooling))):
-                indices, values = _ops._reduce_rows(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq,
+                indices, values = cpu_ops.reduce_rows(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq,
                                                     ctx.dedup, pooling, rounded=True)
-                grad = _ops.weight_grad(indices, values, num_rows, dim, sparse, rows.dtype)
+                grad = common_ops.weight_grad(indices, values, num_rows, dim, sparse, rows.dtype)
         return (grad, None, None, weights_grad) + (None,) * 7
 
 

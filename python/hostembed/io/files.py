@@ -60,12 +60,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ._stream import mapped_file_region
+from .stream import mapped_file_region
 
 SUPPORTED_SUFFIXES = (".pt", ".pth", ".safetensors", ".npy")
 
 # dtypes a table may be loaded from (the table itself is float32).
-_LOADABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+LOADABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _NPY_DTYPES = {"<f4": torch.float32, "<f2": torch.float16, "<f8": torch.float64}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 # Bits per element of every dtype the safetensors library (0.8) accepts: the
@@ -158,8 +158,8 @@ def open_table(path, key=None):
 def check_table_like(shape, dtype, where):
     if len(shape) != 2:
         raise ValueError(f"hostembed: expected a 2-D table in {where}, found shape {_quote(list(shape))}")
-    if dtype not in _LOADABLE:
-        names = ", ".join(str(d).replace("torch.", "") for d in _LOADABLE)
+    if dtype not in LOADABLE:
+        names = ", ".join(str(d).replace("torch.", "") for d in LOADABLE)
         raise TypeError(f"hostembed: unsupported dtype {dtype} in {where}: expected one of {names}")
 
 

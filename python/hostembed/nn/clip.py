@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from . import _fused
-from ._table import table_of
+from .._core import fused as _fused
+from .._core.table import table_of
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):

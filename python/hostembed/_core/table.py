@@ -173,12 +173,12 @@ class HostTable:
         # code that writes the rows waits for it on the host.
         self.last_gpu_use = None
         # Set by an optimizer that updates on the GPU: backward then keeps
-        # the GPU copy of the reduced gradient (see _lookup_gpu.GradTwin).
+        # the GPU copy of the reduced gradient (see ops/gpu.py's GradTwin).
         self.twin_wanted = False
         self.grad_twin = None
         # Where SparseAdam(update="auto") settled for this table.
         self.update_chooser = None
-        # The fused mode (_fused.py): a weak reference to the
+        # The fused mode (fused.py): a weak reference to the
         # SparseAdam(fused=True) that updates this table in backward, the
         # gradients of this backward pass waiting for its end, and whether
         # an update was applied since that optimizer's last step().
@@ -193,7 +193,7 @@ class HostTable:
         self.prefetch = None
         self.prefetch_outcome = None
         # The table's row cache (_cache.RowCache; Embedding(cache_rows=N)),
-        # or None, and the batch prefetch() planned for it (_lookup_cached).
+        # or None, and the batch prefetch() planned for it (nn/lookup/cached.py).
         self.cache = None
         self.planned = None
         # Held by every op around its work on the rows or the state (CPU

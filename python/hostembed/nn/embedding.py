@@ -2,12 +2,13 @@
 import torch
 from torch import nn
 
-from . import _lookup_cached, _lookup_cpu, _lookup_gpu, _ops
-from ._host_module import _UNINITIALISED, HostTableModule, padding_index, pretrained_source
-from ._table import check_table_dtype
-from ._ids import prepare_ids
-from ._prefetch import Prefetch
-from ._cache import MAX_CACHE_ROWS
+from .._core.ids import prepare_ids
+from .._core.ops import cpu as cpu_ops
+from .._core.ops.cache_plan import MAX_CACHE_ROWS
+from .._core.table import check_table_dtype
+from .host_module import UNINITIALISED, HostTableModule, padding_index, pretrained_source
+from .lookup import cached as _lookup_cached, cpu as _lookup_cpu, gpu as _lookup_gpu
+from .lookup.prefetch import Prefetch
 
 
 class Embedding(HostTableModule, nn.Embedding):
@@ -120,7 +121,7 @@ class Embedding(HostTableModule, nn.Embedding):
         table = self._table
         table.prefetch = None
         if self.max_norm is None:
-            table.prefetch = Prefetch(table, self.weight, ids, *_ops.gather_later(self.weight, ids))
+            table.prefetch = Prefetch(table, self.weight, ids, *cpu_ops.gather_later(self.weight, ids))
 
     @property
     def cache_rows(self):
@@ -162,7 +163,7 @@ class Embedding(HostTableModule, nn.Embedding):
         source = pretrained_source(embeddings, key)
         rows, cols = source.shape
         check_table_dtype(source.dtype, "hostembed.Embedding.from_pretrained")
-        emb = cls(num_embeddings=rows, embedding_dim=cols, _weight=_UNINITIALISED, _freeze=freeze,
+        emb = cls(num_embeddings=rows, embedding_dim=cols, _weight=UNINITIALISED, _freeze=freeze,
                   dtype=source.dtype,
                   padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
                   scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, cache_rows=cache_rows)

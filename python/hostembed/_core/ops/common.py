@@ -1,0 +1,123 @@
+"""What every op module here shares: registering a custom op, tensors as
+the core's arguments (addresses, ids), per-step buffers, weight.grad.
+
+hostembed's custom ops are the boundary between Python and the C core.
+
+This is the only Python code that calls the extension (_C), and the one
+place where tensors become addresses. Every op checks what it is handed
+(dtype, device, layout, and that a table tensor is exactly the rows of a
+live host table of this process, never a view of something else) before
+calling the core, whose functions take named arguments only. The table and
+its optimizer state go to the core as their HostBuffer objects (never as
+addresses), so the core checks every shape against the memory it is given;
+ids, gradients and outputs go as addresses of tensors held for the call.
+
+Each op that reads or writes a table's rows or state holds the table's lock
+(HostTable.lock) around that work: ops from several Python threads on one
+table run one after another, each whole (the core releases the GIL).
+
+The steps that touch a table are torch.library custom ops (namespace
+``hostembed``) with fake implementations and registered autograd, so
+torch.compile traces a lookup and its backward without breaking the graph.
+What has to happen at run time (ordering against GPU work, the fork check,
+keeping the gradient on the GPU for the update) happens inside the ops,
+never in traced Python.
+
+Adding an op: the core function in csrc/ (or a launcher in cuda/), its
+keyword-only binding in binding/, then a custom op in the op module of
+its engine (cpu.py, update.py or gpu.py) that validates, takes addresses
+with address() and calls it. Modules and optimizers call the ops, never _C.
+"""
+import torch
+from torch import Tensor
+
+from .. import _C
+from ..ids import ID_DTYPES
+
+CUDA_COMPILED = bool(getattr(_C, "CUDA_COMPILED", False))
+
+HostBuffer = _C.HostBuffer
+set_num_threads = _C.set_num_threads
+get_num_threads = _C.get_num_threads
+empty_cache = _C.empty_cache
+
+
+def custom_op(name, mutates_args=()):
+    """Registers fn as the torch.library custom op `name` and returns fn
+    itself with the op as fn.op. Traced code (torch.compile) calls the op;
+    eager code calls fn directly, skipping the dispatcher's Python layers
+    (about 50 us a call, measured: a tenth of a small training step)."""
+    def wrap(fn):
+        fn.op = torch.library.custom_op(name, fn, mutates_args=mutates_args)
+        return fn
+    return wrap
+
+
+def eager_autograd(fn, setup_context, backward):
+    """An autograd.Function running fn, then the op's own setup_context,
+    with a backward calling the plain functions: the eager twin of the op.
+    (The classic forward(ctx, ...) form: a separate setup_context makes
+    autograd bind the arguments with inspect on every call.)"""
+    def forward(ctx, *inputs):
+        output = fn(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    return type(f"{fn.__name__}_eager", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+def address(tensor: Tensor) -> int:
+    return tensor.data_ptr()
+
+
+def ids_args(ids: Tensor) -> dict:
+    """The core's view of a batch of ids: contiguous int64/int32."""
+    if ids.dtype not in ID_DTYPES or not ids.is_contiguous():
+        raise ValueError(f"hostembed: the core takes contiguous int64/int32 ids, got {ids.dtype}"
+                         f"{'' if ids.is_contiguous() else ', not contiguous'}")
+    return {"ids": address(ids), "count": ids.numel(), "ids_int64": ids.dtype == torch.int64}
+
+
+def cpu_ids_args(ids: Tensor) -> dict:
+    if ids.device.type != "cpu":
+        raise ValueError(f"hostembed: the CPU core takes ids on the CPU, got {ids.device}")
+    return ids_args(ids)
+
+
+def float_rows(tensor: Tensor, count: int, dim: int, device, dtype=torch.float32) -> Tensor:
+    """tensor's values as a contiguous [count, dim] matrix of dtype on device."""
+    return tensor.to(device=device, dtype=dtype).contiguous().reshape(count, dim)
+
+
+def scratch(*shape: int, dtype=torch.float32) -> Tensor:
+    """An uninitialised CPU tensor of dtype from the core's scratch cache.
+
+    For per-step buffers (lookup outputs, gradient values): when the last
+    view of it dies, its pages go back to the cache and the next step of the
+    same size reuses them instead of page-faulting a fresh mapping.
+    """
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    buf = _C.HostBuffer(numel * dtype.itemsize, scratch=True)
+    # The buffer may be larger (size classes): the prefix, as a tensor of
+    # its own rather than a view (autograd refuses in-place changes of a
+    # view that a Function returns, as `out += pos` is).
+    storage = torch.frombuffer(buf, dtype=dtype, count=numel).untyped_storage()
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
+def weight_grad(indices: Tensor, values: Tensor, num_rows: int, dim: int, sparse: bool, dtype=None) -> Tensor:
+    """The table's gradient from its reduced rows, in the table's dtype
+    (values are rounded to a half table's dtype once, after the sum):
+    row-sparse COO (already coalesced: the indices are unique and
+    ascending) or dense."""
+    if dtype is not None and values.dtype != dtype:
+        values = values.to(dtype)
+    if sparse:
+        return torch.sparse_coo_tensor(indices.unsqueeze(0), values, (num_rows, dim), is_coalesced=True,
+                                       check_invariants=False)
+    return torch.zeros(num_rows, dim, dtype=values.dtype, device=values.device).index_copy_(0, indices, values)

@@ -1,0 +1,212 @@
+"""The CPU ops of a lookup: out = weight[ids] gathered by the core's
+threads, and its backward, which sums the output gradient's rows per unique
+id; the dedup (unique ids, inverse) EmbeddingBag reads rows by."""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _C
+from .. import fused as _fused
+from ..table import DTYPE_CODES, compute_dtype, host_table_of
+from .common import address, cpu_ids_args, custom_op, float_rows, scratch, weight_grad
+
+
+def unique_ids(ids: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """(unique, inverse) of CPU ids, both int64: what
+    torch.unique(ids.flatten(), return_inverse=True) gives, from the core's
+    radix sort (about 2.5x faster than torch's here). IndexError for an id
+    outside [0, num_rows), before anything is returned."""
+    return dedup_ids(ids, num_rows)[1:]
+
+
+def dedup_ids(ids: Tensor, num_rows: int):
+    """(the ids' Dedup, unique, inverse): unique_ids, keeping the sort for
+    the gradient's reduce."""
+    ids = ids.reshape(-1).contiguous()
+    dedup = _C.Dedup(**cpu_ids_args(ids), num_rows=num_rows)
+    unique = torch.empty(dedup.num_unique, dtype=torch.int64)
+    inverse = torch.empty(ids.numel(), dtype=torch.int64)
+    dedup.export(unique=address(unique), inverse=address(inverse))
+    return dedup, unique, inverse
+
+
+@custom_op("hostembed::lookup", mutates_args=())
+def lookup(weight: Tensor, ids: Tensor, padding_idx: int, max_norm: Optional[float], norm_type: float,
+           scale_grad_by_freq: bool, sparse: bool) -> Tensor:
+    """weight[ids] by the core's threads, on the CPU.
+
+    With max_norm the referenced rows are first renormed in place, outside
+    autograd, as torch's embedding does. The op does not declare that write:
+    declared, torch.compile would copy the whole table to functionalise it.
+    padding_idx (-1: none), scale_grad_by_freq and sparse shape backward.
+    """
+    return lookup_rows(weight, ids, max_norm, norm_type)[0]
+
+
+def lookup_rows(weight, ids, max_norm, norm_type):
+    """(weight[ids], the ids' Dedup when max_norm sorted them, else None,
+    the table)."""
+    table = host_table_of(weight, "a lookup")
+    prefetch, table.prefetch = table.prefetch, None
+    if prefetch is not None and max_norm is None:
+        out = prefetch.take(weight, ids)
+        if out is not None:
+            return out, None, table
+    ids_args = cpu_ids_args(ids)
+    # The table's own buffer: host_table_of checked that weight is exactly it.
+    rows = {"table": table.buffer, "num_rows": table.num_rows, "dim": table.dim, "dtype": table.code}
+    out = scratch(*ids.shape, table.dim, dtype=table.dtype)
+    dedup = None
+    if max_norm is not None:
+        dedup = _C.Dedup(**ids_args, num_rows=table.num_rows)  # sorts; reads no rows
+    with table.lock:
+        table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
+        if dedup is not None:
+            _C.renorm(**rows, dedup=dedup, max_norm=float(max_norm), norm_type=float(norm_type))
+            table.rows_changed(ids)
+        _C.gather(**rows, **ids_args, out=address(out))
+    return out, dedup, table
+
+
+def gather_later(weight, ids):
+    """(out, gather): gather() fills out with weight[ids] (no autograd, no
+    max_norm). Embedding.prefetch runs gather on another thread; all the
+    Python work is done here, so that thread holds the GIL only to enter
+    the core."""
+    table = host_table_of(weight, "a prefetch")
+    out = scratch(*ids.shape, table.dim, dtype=table.dtype)
+    args = dict(table=table.buffer, num_rows=table.num_rows, dim=table.dim, dtype=table.code, **cpu_ids_args(ids),
+                out=address(out))
+
+    def gather():
+        with table.lock:
+            table.wait_for_gpu_use()
+            _C.gather(**args)
+    return out, gather
+
+
+@lookup.op.register_fake
+def _(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+    return weight.new_empty(*ids.shape, weight.shape[1])
+
+
+@custom_op("hostembed::grad_reduce", mutates_args=())
+def grad_reduce(ids: Tensor, grad: Tensor, num_rows: int, padding_idx: int,
+                scale_grad_by_freq: bool) -> tuple[Tensor, Tensor]:
+    """Sums grad's rows per unique id on the CPU: (indices int64 [k]
+    ascending, values [k, D], float64 for a float64 grad, else float32),
+    padding_idx (-1: none) left out.
+    Deterministic for any thread count; an id outside [0, num_rows) raises
+    IndexError before anything is written."""
+    return reduce_rows(ids, grad, num_rows, padding_idx, scale_grad_by_freq)
+
+
+def reduce_rows(ids, grad, num_rows, padding_idx, scale_grad_by_freq, dedup=None, pooling=None, rounded=False):
+    """grad_reduce, reusing the forward's Dedup of the same ids if given;
+    with pooling (a bag's _fused.Pooling), grad has a row per bag. rounded:
+    the values of a half grad come in its dtype (rounded by the core, as
+    weight_grad would round them)."""
+    dim = grad.shape[-1]
+    ids = ids.reshape(-1).contiguous()
+    dtype = compute_dtype(grad.dtype)  # a float64 table's gradient is float64
+    # The core widens a half gradient's rows itself.
+    rows, bags, _weights = gradient_rows(grad, ids, dim, pooling, grad.dtype if grad.dtype in DTYPE_CODES else dtype)
+    if dedup is None:
+        dedup = _C.Dedup(**cpu_ids_args(ids), num_rows=num_rows)
+    rounded = rounded and rows.dtype != dtype
+    indices = torch.empty(dedup.num_unique, dtype=torch.int64)
+    values = scratch(dedup.num_unique, dim, dtype=rows.dtype if rounded else dtype)
+    written = _C.grad_reduce(dedup=dedup, grad=address(rows), dim=dim, padding_idx=padding_idx,
+                             scale_grad_by_freq=scale_grad_by_freq, values=address(values),
+                             indices=address(indices), dtype=DTYPE_CODES[rows.dtype], round_sums=rounded, **bags)
+    if written == dedup.num_unique:
+        return indices, values
+    return indices[:written].clone(), values[:written].clone()
+
+
+def gradient_rows(grad, ids, dim, pooling, dtype):
+    """(grad as contiguous rows of dtype, the core's pooling arguments, the
+    row weights they point at, to keep until the call): a row per id, or
+    with pooling a row per bag, each id's bag and weight checked here for
+    shape and by the core for range (the weights converted to dtype's
+    compute dtype, which the sums are in)."""
+    if pooling is None:
+        return (float_rows(grad, ids.numel(), dim, "cpu", dtype), {"bag_of": 0, "row_weights": 0, "num_bags": 0},
+                None)
+    bag_of, weights = pooling.bag_of, pooling.row_weights
+    if bag_of.dtype != torch.int64 or bag_of.shape != (ids.numel(),) or not bag_of.is_contiguous() or (
+            weights is not None and (not weights.is_floating_point() or weights.shape != bag_of.shape)):
+        raise ValueError(f"hostembed: a bag gradient takes contiguous int64 bag_of and floating-point "
+                         f"row_weights of {ids.numel()} entries, got {bag_of.dtype} {list(bag_of.shape)} and "
+                         f"{None if weights is None else (weights.dtype, list(weights.shape))}")
+    if weights is not None:
+        weights = weights.to(compute_dtype(dtype)).contiguous()
+    rows = grad.to(device="cpu", dtype=dtype).contiguous().reshape(-1, dim)
+    return rows, {"bag_of": address(bag_of), "row_weights": 0 if weights is None else address(weights),
+                  "num_bags": rows.shape[0]}, weights
+
+
+@grad_reduce.op.register_fake
+def _(ids, grad, num_rows, padding_idx, scale_grad_by_freq):
+    unique = torch.library.get_ctx().new_dynamic_size()
+    return (torch.empty(unique, dtype=torch.int64, device="cpu"),
+            torch.empty(unique, grad.shape[-1], dtype=compute_dtype(grad.dtype), device="cpu"))
+
+
+def lookup_setup(ctx, inputs, output):
+    weight, ids, padding_idx, _, _, scale_grad_by_freq, sparse = inputs
+    ctx.save_for_backward(ids)
+    ctx.table_shape = tuple(weight.shape)
+    ctx.table_dtype = weight.dtype
+    ctx.spec = (padding_idx, scale_grad_by_freq, sparse)
+
+
+def lookup_backward(ctx, grad_out):
+    (ids,) = ctx.saved_tensors
+    num_rows, dim = ctx.table_shape
+    padding_idx, scale_grad_by_freq, sparse = ctx.spec
+    grad = None
+    if ctx.needs_input_grad[0]:
+        dedup = getattr(ctx, "dedup", None)
+        table = getattr(ctx, "table", None)  # eager only: fused tables are looked up eagerly
+        if table is not None and table.fused and _fused.take_gradient(
+                table, _fused.CpuGradient(ids, grad_out, padding_idx, scale_grad_by_freq, dedup)):
+            return (None,) * 7  # applied when the backward pass ends; no weight.grad
+        if torch.compiler.is_compiling():
+            indices, values = grad_reduce.op(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq)
+        else:  # with max_norm, reusing the forward's sort
+            indices, values = reduce_rows(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq, dedup,
+                                           rounded=True)
+        grad = weight_grad(indices, values, num_rows, dim, sparse, ctx.table_dtype)
+    return grad, None, None, None, None, None, None
+
+
+lookup.op.register_autograd(lookup_backward, setup_context=lookup_setup)
+
+
+class _LookupEager(torch.autograd.Function):
+    """The lookup op's eager twin (see custom_op); it keeps a max_norm
+    forward's sort of the ids for backward, which then sorts nothing."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+        out, ctx.dedup, ctx.table = lookup_rows(weight, ids, max_norm, norm_type)
+        lookup_setup(ctx, (weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse), out)
+        return out
+
+    backward = staticmethod(lookup_backward)
+
+
+def embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+    """weight[ids] on the CPU, differentiable (see lookup)."""
+    args = (weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    return lookup.op(*args) if torch.compiler.is_compiling() else _LookupEager.apply(*args)
+
+
+@torch.compiler.disable
+def fused_embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+    """embedding_lookup of a fused table: always eager (a graph break under
+    torch.compile), since its backward queues the update with autograd's
+    engine (_core/fused.py), which a compiled backward cannot do."""
+    return _LookupEager.apply(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)

@@ -1,0 +1,186 @@
+"""The optimizers' updates in host memory: one threaded pass of the core
+over a gradient's rows (sparse_update), or straight from a lookup's output
+gradient (the fused mode, sparse_update_fused). A table with a row cache
+updates the rows its cache holds in their records (_cache.RowCache)."""
+import torch
+from torch import Tensor
+
+from .. import _C
+from .. import fused as _fused
+from ..table import DTYPE_CODES, dtype_name, host_table_of
+from .common import address, cpu_ids_args, custom_op
+from .cpu import gradient_rows, reduce_rows
+
+
+# Optimizer kinds of the core (include/he_optim.h).
+ADAM, SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2, 3
+_OPTIMIZER_NAMES = {ADAM: "SparseAdam", SGD: "SGD", ADAGRAD: "Adagrad", ROWWISE_ADAGRAD: "RowWiseAdagrad"}
+
+
+def sparse_update(kind: int, weight: Tensor, state, indices: Tensor, values: Tensor, *, lr: float, step: int,
+                  maximize: bool, beta1: float = 0.0, beta2: float = 0.0, eps: float = 0.0,
+                  lr_decay: float = 0.0, weight_decay: float = 0.0) -> None:
+    """Optimizer `kind`'s update of rows `indices` with gradient rows
+    `values`, in place, by the core's threads. Repeated indices are summed
+    first; an index outside the table raises before anything is written.
+    state: the optimizer's state tensors by name, in the core's order, each
+    a buffer of the weight's table (HostTable.zeros). A table with a row
+    cache updates its cached rows in their records (_cache.RowCache)."""
+    name = _OPTIMIZER_NAMES[kind]
+    table = host_table_of(weight, name)
+    # A cache in GPU memory takes a gradient on the GPU as it is.
+    device = values.device if table.cache is not None and table.cache.device == values.device else "cpu"
+    indices, values = row_gradient(table, indices, values, device, name)
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
+                 weight_decay=weight_decay)
+    if table.cache is not None:
+        # Checked before the cache writes its records (update_rows checks
+        # the host part only after them).
+        for key, tensor in state.items():
+            table.buffer_of(tensor, f"{name}'s {key}")
+        with table.lock:
+            table.cache.update(kind, state, indices, values, **hyper)
+        return
+    with table.lock:
+        update_rows(kind, table, state, indices, values, **hyper)
+
+
+def optimizer_name(kind: int) -> str:
+    return _OPTIMIZER_NAMES[kind]
+
+
+def sum_repeated_rows(table, indices: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """(distinct indices, ascending; their values summed in position order,
+    as the core's update sums repeated rows) of a row-sparse gradient on
+    the CPU."""
+    return reduce_rows(indices, values, table.num_rows, -1, False)
+
+
+def update_rows(kind: int, table, state, indices: Tensor, values: Tensor, *, lr: float, step: int, maximize: bool,
+                beta1: float = 0.0, beta2: float = 0.0, eps: float = 0.0, lr_decay: float = 0.0,
+                weight_decay: float = 0.0) -> None:
+    """sparse_update of `table` (a HostTable) by the core, its arguments
+    checked (or, from a row cache, split from checked ones); the caller
+    holds table.lock."""
+    name = _OPTIMIZER_NAMES[kind]
+    buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
+    table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
+    _C.sparse_update(kind=kind, weight=table.buffer, state=buffers, num_rows=table.num_rows, dim=table.dim,
+                     indices=address(indices), values=address(values), nnz=indices.numel(), lr=lr,
+                     beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
+                     weight_decay=weight_decay, dtype=table.code, values_dtype=DTYPE_CODES[values.dtype],
+                     stochastic_rounding=table.stochastic_rounding, seed=table.seed)
+    table.rows_changed(indices)
+
+
+@custom_op("hostembed::sparse_adam_", mutates_args=("weight", "exp_avg", "exp_avg_sq"))
+def sparse_adam_(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, indices: Tensor, values: Tensor, lr: float,
+                 beta1: float, beta2: float, eps: float, step: int, maximize: bool,
+                 weight_decay: float = 0.0) -> None:
+    """torch.optim.SparseAdam's update (sparse_update of ADAM), an op that
+    torch.compile can trace."""
+    check_state(host_table_of(weight, "SparseAdam"), exp_avg, exp_avg_sq)
+    sparse_update(ADAM, weight, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, indices, values, lr=lr,
+                  beta1=beta1, beta2=beta2, eps=eps, step=step, maximize=maximize, weight_decay=weight_decay)
+
+
+def row_gradient(table, indices, values, device, name="SparseAdam"):
+    """A row-sparse gradient's (indices, values) as the core reads them:
+    int64 [nnz] and [nnz, dim] in the table's dtype or compute dtype
+    (HostTable.gradient_dtype), contiguous, on `device`. Refuses any
+    other shape (a values tensor with the right number of elements but
+    another shape would otherwise be read as rows) before the core runs."""
+    if indices.dim() != 1 or indices.dtype not in (torch.int64, torch.int32):
+        raise RuntimeError(
+            f"hostembed: {name} needs the gradient's row indices as a 1-D int64 (or int32) tensor, got a "
+            f"{list(indices.shape)} {indices.dtype} tensor"
+        )
+    nnz = indices.numel()
+    if values.dim() != 2 or tuple(values.shape) != (nnz, table.dim) or not values.is_floating_point():
+        raise RuntimeError(
+            f"hostembed: {name} needs the gradient's values as a floating-point [{nnz}, {table.dim}] tensor "
+            f"(one row per index of a [{table.num_rows}, {table.dim}] table), got a {list(values.shape)} "
+            f"{values.dtype} tensor"
+        )
+    indices = indices.to(device=device, dtype=torch.int64).contiguous()
+    values = values.to(device=device, dtype=table.gradient_dtype(values.dtype)).contiguous()
+    return indices, values
+
+
+@sparse_adam_.op.register_fake
+def _(weight, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps, step, maximize, weight_decay=0.0):
+    return None
+
+
+def adam_update(*args, **hyper):
+    """sparse_adam_ (the op under torch.compile)."""
+    return (sparse_adam_.op if torch.compiler.is_compiling() else sparse_adam_)(*args, **hyper)
+
+
+def fused_adam_update(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, gradient, *, lr: float, beta1: float,
+                      beta2: float, eps: float, step: int, maximize: bool, weight_decay: float = 0.0) -> None:
+    """A CPU lookup's backward and SparseAdam's update in one pass of the
+    core (the fused mode, _core/fused.py): gradient is the lookup's
+    _fused.CpuGradient. The same bits as grad_reduce then sparse_adam_.
+    Eager only."""
+    table = host_table_of(weight, "SparseAdam")
+    check_state(table, exp_avg, exp_avg_sq)
+    sparse_update_fused(ADAM, weight, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, gradient, lr=lr, beta1=beta1,
+                        beta2=beta2, eps=eps, step=step, maximize=maximize, weight_decay=weight_decay)
+
+
+def sparse_update_fused(kind: int, weight: Tensor, state, gradient, *, lr: float, step: int, maximize: bool,
+                        beta1: float = 0.0, beta2: float = 0.0, eps: float = 0.0, lr_decay: float = 0.0,
+                        weight_decay: float = 0.0) -> None:
+    """sparse_update of optimizer `kind` from a CPU lookup's output gradient
+    (_fused.CpuGradient) in one pass: each id's gradient rows summed and
+    handed to its row update, the same bits as grad_reduce then
+    sparse_update. Eager only (the fused mode, _core/fused.py)."""
+    name = _OPTIMIZER_NAMES[kind]
+    table = host_table_of(weight, name)
+    if table.cache is not None:
+        # Rows in records and rows in host memory: the unfused reduce,
+        # then the cache's update (the same bits).
+        indices, values = reduce_to_host(table, gradient)
+        sparse_update(kind, weight, state, indices, values, lr=lr, step=step, maximize=maximize, beta1=beta1,
+                      beta2=beta2, eps=eps, lr_decay=lr_decay, weight_decay=weight_decay)
+        return
+    buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
+    ids = gradient.ids.reshape(-1).contiguous()
+    rows, bags, _weights = gradient_rows(gradient.grad, ids, table.dim, gradient.pooling,
+                                          table.gradient_dtype(gradient.grad.dtype))
+    dedup = gradient.dedup
+    if dedup is None:
+        dedup = _C.Dedup(**cpu_ids_args(ids), num_rows=table.num_rows)
+    with table.lock:
+        table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
+        _C.sparse_update_fused(dedup=dedup, grad=address(rows), padding_idx=gradient.padding_idx,
+                               scale_grad_by_freq=gradient.scale_grad_by_freq, kind=kind, weight=table.buffer,
+                               state=buffers, num_rows=table.num_rows, dim=table.dim, lr=lr, beta1=beta1,
+                               beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
+                               weight_decay=weight_decay, dtype=table.code, grad_dtype=DTYPE_CODES[rows.dtype],
+                               stochastic_rounding=table.stochastic_rounding, seed=table.seed, **bags)
+        table.rows_changed(ids)
+
+
+def reduce_to_host(table, gradient):
+    """A fused table's lookup gradient (_fused.CpuGradient or GpuGradient)
+    reduced as its unfused backward would: (indices, values) on the CPU."""
+    if isinstance(gradient, _fused.CpuGradient):
+        indices, values = reduce_rows(gradient.ids, gradient.grad, table.num_rows, gradient.padding_idx,
+                                       gradient.scale_grad_by_freq, gradient.dedup, gradient.pooling, rounded=True)
+        # Rounded to the table's dtype, as each lookup's weight.grad is.
+        return indices, values.to(table.dtype)
+    indices, values = gradient.wait()
+    return indices.cpu(), values.cpu()
+
+
+def check_state(table, *state):
+    for tensor in state:
+        if not (tensor.dtype == table.state_dtype and tensor.device.type == "cpu" and tensor.is_contiguous()
+                and tuple(tensor.shape) == (table.num_rows, table.dim)):
+            raise RuntimeError(
+                f"hostembed: optimizer state for a [{table.num_rows}, {table.dim}] table must be a contiguous "
+                f"{dtype_name(table.state_dtype)} CPU tensor of that shape, got a {list(tensor.shape)} {tensor.dtype} "
+                f"tensor on {tensor.device}"
+            )
