@@ -1,11 +1,13 @@
 /* The CPU ops: keyword-only bindings of the core's dedup, gather,
- * grad_reduce, renorm and the sparse optimizers' update. A table (and its optimizer state)
+ * grad_reduce, renorm, the sparse optimizers' update and Adam over a whole
+ * table. A table (and its optimizer state)
  * comes as its HostBuffer object, and its shape is checked against the
  * buffer's size before any work; ids, gradients and outputs (allocated by
  * the Python layer for the call) come as addresses. */
 #include "binding.h"
 
 #include "dedup.h"
+#include "dense_adam.h"
 #include "gather.h"
 #include "grad_reduce.h"
 #include "renorm.h"
@@ -298,7 +300,64 @@ static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject
     Py_RETURN_NONE;
 }
 
+/* torch.optim.Adam / AdamW on every row (dense_adam.h); state is
+ * (exp_avg, exp_avg_sq), and max_exp_avg_sq after them with amsgrad. */
+static PyObject *heb_dense_adam(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"weight", "state", "num_rows", "dim", "dtype", "indices", "values", "nnz", "lr",
+                             "beta1", "beta2", "eps", "weight_decay", "step", "decoupled", "amsgrad", "maximize",
+                             NULL};
+    static const char *names[3] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+    HEB_BUFFER(weight);
+    PyObject *state;
+    HEB_ADDRESS(indices);
+    HEB_ADDRESS(values);
+    long long num_rows, dim, nnz, step;
+    int dtype, decoupled, amsgrad, maximize;
+    he_dense_adam_params hp = {0};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&O!LLiO&O&LdddddLppp:dense_adam", kwlist, heb_buffer_converter,
+                                     &weight, &PyTuple_Type, &state, &num_rows, &dim, &dtype, heb_address_converter,
+                                     &indices, heb_address_converter, &values, &nnz, &hp.lr, &hp.beta1, &hp.beta2,
+                                     &hp.eps, &hp.weight_decay, &step, &decoupled, &amsgrad, &maximize))
+        return NULL;
+    hp.step = step;
+    hp.decoupled = decoupled;
+    hp.amsgrad = amsgrad;
+    hp.maximize = maximize;
+    Py_ssize_t n = PyTuple_GET_SIZE(state);
+    if (n != (amsgrad ? 3 : 2)) {
+        PyErr_Format(PyExc_ValueError, "Adam keeps %d state buffers with amsgrad=%s, got a tuple of %zd",
+                     amsgrad ? 3 : 2, amsgrad ? "True" : "False", n);
+        return NULL;
+    }
+    he_table w, s[3];
+    if (heb_buffer_table(&weight, num_rows, dim, dtype, &w) < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        heb_buffer b = {names[i], NULL, 0, NULL, -1};
+        if (!heb_buffer_converter(PyTuple_GET_ITEM(state, i), &b) ||
+            heb_buffer_table(&b, num_rows, dim, dtype, &s[i]) < 0)
+            return NULL;
+    }
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_dense_adam(&hp, &w, &s[0], &s[1], amsgrad ? &s[2] : NULL, (const int64_t *)indices.ptr, values.ptr,
+                       nnz);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef heb_cpu_methods[] = {
+    {"dense_adam", HEB_KW_FUNC(heb_dense_adam), METH_VARARGS | METH_KEYWORDS,
+     "dense_adam($module, /, *, weight, state, num_rows, dim, dtype, indices, values, nnz, lr, beta1, beta2, eps, "
+     "weight_decay, step, decoupled, amsgrad, maximize)\n--\n\n"
+     "torch.optim.Adam's step (AdamW's with decoupled) on every row of the [num_rows, dim] table of he_dtype "
+     "`dtype` (float32 or float64) and its state (exp_avg, exp_avg_sq[, max_exp_avg_sq]: HostBuffers of the same "
+     "shape and dtype), in place: rows indices[:nnz] (strictly ascending) with gradient rows values[:nnz], every "
+     "other row with a zero gradient"},
     {"gather", HEB_KW_FUNC(heb_gather), METH_VARARGS | METH_KEYWORDS,
      "gather($module, /, *, table, num_rows, dim, dtype, ids, count, ids_int64, out)\n--\n\n"
      "out[i] = table[ids[i]] (table: the HostBuffer of the [num_rows, dim] rows of he_dtype `dtype`; ValueError if they do not "

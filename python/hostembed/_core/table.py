@@ -188,6 +188,11 @@ class HostTable:
         self.fused_optimizer = None
         self.fused_pending = None
         self.fused_awaiting_step = False
+        # Set when an optimizer that cannot take a row-sparse gradient
+        # (torch's RMSprop, NAdam, ...) first steps this table: from then on
+        # backward makes weight.grad dense, as nn.Embedding(sparse=False)
+        # does (optim/torch_optimizers.py). A plain flag forward reads.
+        self.dense_gradient = False
         # The outstanding Embedding.prefetch (_prefetch.Prefetch), or None,
         # and what the last lookup that found one did with it.
         self.prefetch = None

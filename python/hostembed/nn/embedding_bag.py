@@ -65,7 +65,7 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
                 self.weight, prepare_ids(ids, _bags.WHO), offsets.to("cpu"),
                 None if per_sample_weights is None else per_sample_weights.to("cpu"), self.mode,
                 include_last_offset, padding_idx, max_norm_of(self), float(self.norm_type), self.scale_grad_by_freq,
-                self.sparse)
+                self._sparse_gradient())
             self._last_lookup_path = "cpu"
             return out.to(self._output_device)
         if compiling:

@@ -123,6 +123,12 @@ class HostTableModule:
         cache = self._table.cache
         return None if cache is None else cache.stats
 
+    def _sparse_gradient(self) -> bool:
+        """Whether backward makes weight.grad row-sparse: ``sparse``,
+        unless an optimizer that needs a dense gradient has stepped this
+        table (optim/torch_optimizers.py)."""
+        return self.sparse and not self._table.dense_gradient
+
     def flush_cache(self) -> None:
         """Writes every row and optimizer state the cache holds newer than
         host memory back to it. Reading the module's ``weight``,

@@ -10,6 +10,9 @@ gradient's rows, one optimizer a file over one base.
   rowwise_adagrad.py  RowWiseAdagrad (host tables only)
   update_choice.py    where SparseAdam updates a table with GPU outputs,
                       settled by timing both
+  torch_optimizers.py torch's own optimizers on host tables (the gradient
+                      each can take; Adam and AdamW by the core, without a
+                      dense gradient), through torch's global step hooks
 
 SGD, Adagrad and SparseAdam are torch's classes with torch's signature,
 validation, state keys and numerics (the core computes what torch's
@@ -27,5 +30,6 @@ from .adagrad import Adagrad
 from .rowwise_adagrad import RowWiseAdagrad
 from .sgd import SGD
 from .sparse_adam import SparseAdam
+from .torch_optimizers import route as torch_optimizer_route  # registers the step hooks
 
-__all__ = ["SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad"]
+__all__ = ["SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad", "torch_optimizer_route"]

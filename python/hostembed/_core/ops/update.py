@@ -1,7 +1,9 @@
 """The optimizers' updates in host memory: one threaded pass of the core
 over a gradient's rows (sparse_update), or straight from a lookup's output
 gradient (the fused mode, sparse_update_fused). A table with a row cache
-updates the rows its cache holds in their records (_cache.RowCache)."""
+updates the rows its cache holds in their records (_cache.RowCache).
+dense_adam is torch's Adam over every row of a table, without a dense
+gradient."""
 import torch
 from torch import Tensor
 
@@ -184,3 +186,31 @@ def check_state(table, *state):
                 f"{dtype_name(table.state_dtype)} CPU tensor of that shape, got a {list(tensor.shape)} {tensor.dtype} "
                 f"tensor on {tensor.device}"
             )
+
+
+def dense_adam(weight: Tensor, state, indices: Tensor, values: Tensor, *, lr: float, beta1: float, beta2: float,
+               eps: float, weight_decay: float, step: int, decoupled: bool, amsgrad: bool, maximize: bool,
+               name: str = "Adam") -> None:
+    """torch.optim.Adam's step (AdamW's with decoupled) on every row of a
+    float32 or float64 host table, in place by the core's threads
+    (csrc/dense_adam.h): rows `indices` with gradient rows `values` (in any
+    order; repeats summed in position order, as the sparse update sums
+    them), every other row with a zero gradient, so no dense gradient is
+    ever made. state: exp_avg, exp_avg_sq (and max_exp_avg_sq with
+    amsgrad) by name, buffers of the table in its dtype. An index outside
+    the table raises before anything is written."""
+    table = host_table_of(weight, name)
+    indices, values = row_gradient(table, indices, values, "cpu", name)
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        indices, values = sum_repeated_rows(table, indices, values)
+    keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+    buffers = tuple(table.buffer_of(state[key], f"{name}'s {key}") for key in keys)
+    with table.lock:
+        if table.cache is not None:
+            table.cache.flush()  # every row changes: the cache's newer rows first
+        table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
+        _C.dense_adam(weight=table.buffer, state=buffers, num_rows=table.num_rows, dim=table.dim, dtype=table.code,
+                      indices=address(indices), values=address(values), nnz=indices.numel(), lr=lr, beta1=beta1,
+                      beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, decoupled=decoupled,
+                      amsgrad=amsgrad, maximize=maximize)
+        table.rows_changed(None)

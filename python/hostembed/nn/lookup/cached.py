@@ -151,7 +151,7 @@ def lookup(module, ids):
     if table.cache.device.type == "cuda":
         check_ids(ids)
         return _CachedGpuLookup.apply(module._parameters["weight"], ids, padding, module.scale_grad_by_freq,
-                                      module.sparse, table, table.cache.device)
+                                      module._sparse_gradient(), table, table.cache.device)
     ids = prepare_ids(ids)
-    return _CachedLookup.apply(module._parameters["weight"], ids, padding, module.scale_grad_by_freq, module.sparse,
-                               table, module.output_device)
+    return _CachedLookup.apply(module._parameters["weight"], ids, padding, module.scale_grad_by_freq,
+                               module._sparse_gradient(), table, module.output_device)

@@ -15,4 +15,4 @@ def lookup(module, ids, scale_grad_by_freq=None):
     lookup_fn = gpu_ops.fused_embedding_gpu_lookup if module._table.fused else gpu_ops.embedding_gpu_lookup
     return lookup_fn(module.weight, module._table.handle, ids, resolve_device(module.output_device),
                      padding_of(module), max_norm_of(module), float(module.norm_type), scale_grad_by_freq,
-                     module.sparse)
+                     module._sparse_gradient())

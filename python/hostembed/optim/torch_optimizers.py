@@ -1,0 +1,164 @@
+"""torch's own optimizers on hostembed tables, after a plain swap
+(``torch.nn.Embedding = hostembed.Embedding``, the script unchanged).
+
+A host table's backward makes a row-sparse weight.grad. Each torch
+optimizer gets what it can take, with torch's results:
+
+* sparse: an optimizer that takes a row-sparse gradient with the options
+  it was given (torch's SparseAdam; SGD without momentum, weight decay or
+  fused; Adagrad without weight decay or fused; LBFGS; hostembed's own)
+  gets it as it is.
+* adam: torch.optim.Adam and AdamW (any weight_decay, amsgrad, maximize,
+  foreach or fused) on a float32 or float64 table: the table's part of the
+  step is done by the core over every row, as with a dense gradient but
+  without one (_core/ops/update.py's dense_adam), its state kept in the
+  optimizer's own ``state`` in torch's layout (state_dict() and
+  load_state_dict() as torch's).
+* dense: any other optimizer (RMSprop, NAdam, RAdam, Adamax, Adadelta,
+  Rprop, ASGD, Adafactor, SGD with momentum or weight decay, Adagrad with
+  weight decay, one unknown to hostembed, a subclass of any of these) gets
+  a dense weight.grad, as nn.Embedding(sparse=False) makes it, from its
+  first step on; one warning per table says what that costs.
+
+Done with torch's global optimizer step hooks, registered when hostembed
+is imported: no torch class is patched. The pre-hook runs before step()
+(and before its closure), the post-hook after step() returned.
+"""
+import warnings
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from .._core.ops import update as update_ops
+from .._core.table import table_of
+from .base import HostStep, owned_state
+from .sparse_adam import SparseAdam
+
+SPARSE, ADAM, DENSE = "sparse", "adam", "dense"
+
+# Optimizers whose step the post-hook completes: the host gradients the
+# pre-hook took from torch's view, by optimizer (weakly: a dropped
+# optimizer takes its entry along).
+_taken = weakref.WeakKeyDictionary()
+
+
+def route(optimizer, group, table, closure=None, grad_scaling=False) -> str:
+    """How `optimizer` steps `table` of param group `group` (module docstring)."""
+    kind = type(optimizer)
+    if isinstance(optimizer, (HostStep, SparseAdam)) or kind is torch.optim.SparseAdam or \
+            kind is torch.optim.LBFGS:
+        return SPARSE
+    if kind is torch.optim.SGD and not group.get("momentum") and not group.get("weight_decay") \
+            and not group.get("fused"):
+        return SPARSE
+    if kind is torch.optim.Adagrad and not group.get("weight_decay") and not group.get("fused"):
+        return SPARSE
+    # The core's pass can neither run a closure's backward between our
+    # hooks' work nor give differentiable or capturable steps.
+    if kind in (torch.optim.Adam, torch.optim.AdamW) and table.dtype in (torch.float32, torch.float64) \
+            and closure is None and not grad_scaling and not group.get("differentiable") \
+            and not group.get("capturable"):
+        return ADAM
+    return DENSE
+
+
+def _before_step(optimizer, args, kwargs):
+    if isinstance(optimizer, (HostStep, SparseAdam)):
+        return  # hostembed's own take host gradients as they are
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer itself
+    grad_scaling = kwargs.get("grad_scale") is not None or kwargs.get("found_inf") is not None
+    taken = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            table = table_of(p)
+            if table is None:
+                continue
+            way = route(optimizer, group, table, closure, grad_scaling)
+            if way == ADAM and p.grad is not None and p.grad.is_sparse:
+                taken.append((p, table, group, p.grad))
+            elif way == DENSE:
+                _make_dense(optimizer, p, table)
+    if taken:
+        for p, _, _, _ in taken:
+            p.grad = None  # torch's step skips a parameter without a gradient
+        _taken[optimizer] = taken
+
+
+def _after_step(optimizer, args, kwargs):
+    taken = _taken.pop(optimizer, None)
+    if not taken:
+        return
+    try:
+        for p, table, group, grad in taken:
+            _adam_step(optimizer, p, table, group, grad)
+    finally:
+        for p, _, _, grad in taken:
+            p.grad = grad
+
+
+def _make_dense(optimizer, p, table):
+    """From now on backward makes the table's gradient dense; a sparse one
+    already there is made dense now. Torch will write the rows in place:
+    a row cache's newer rows go to host memory first."""
+    if not table.dense_gradient:
+        table.dense_gradient = True
+        size = table.num_rows * table.dim * table.dtype.itemsize
+        warnings.warn(
+            f"hostembed: {type(optimizer).__name__} with these options takes no row-sparse gradient, so the "
+            f"[{table.num_rows}, {table.dim}] table's weight.grad is dense from now on ({size} bytes a step), as "
+            "nn.Embedding(sparse=False) makes it. Faster with torch's results: torch.optim.Adam or AdamW (hostembed "
+            "updates the table without a dense gradient); faster still, updating only the rows each batch "
+            "touches: hostembed.SparseAdam, SGD, Adagrad or RowWiseAdagrad", stacklevel=3)
+    if table.cache is not None:
+        with table.lock:
+            table.cache.flush()
+    grad = p.grad
+    if grad is not None and grad.is_sparse:
+        p.grad = grad.to_dense()
+
+
+def _adam_step(optimizer, p, table, group, grad):
+    """torch's Adam/AdamW step of `p` (a host table) from its row-sparse
+    gradient, with the state in optimizer.state[p] as torch keeps it."""
+    amsgrad = bool(group["amsgrad"])
+    state = optimizer.state[p]
+    if len(state) == 0:
+        # As torch's _init_group: a 0-d step, moments shaped like p (here
+        # buffers of the table, whose pages are backed as they are written).
+        state["step"] = torch.tensor(0.0, dtype=_scalar_dtype(group))
+        state["exp_avg"] = table.zeros()
+        state["exp_avg_sq"] = table.zeros()
+        if amsgrad:
+            state["max_exp_avg_sq"] = table.zeros()
+    keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+    for key in keys:
+        if key not in state:  # amsgrad switched on in a loaded group: torch would fail; start it at zero
+            state[key] = table.zeros()
+        # A state loaded by load_state_dict is torch's own tensor: copied
+        # into a buffer of the table, once.
+        state[key] = owned_state(table, state[key])
+    step_t = state["step"]
+    step = int(step_t.item()) + 1 if isinstance(step_t, torch.Tensor) else int(step_t) + 1
+    beta1, beta2 = (float(b) for b in group["betas"])
+    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    update_ops.dense_adam(p, state, grad._indices()[0], grad._values(), lr=float(group["lr"]), beta1=beta1,
+                          beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                          step=step, decoupled=decoupled, amsgrad=amsgrad, maximize=bool(group["maximize"]),
+                          name=type(optimizer).__name__)
+    # Counted once the core took the gradient, as torch counts a step.
+    if isinstance(step_t, torch.Tensor):
+        step_t += 1
+    else:
+        state["step"] = step
+
+
+def _scalar_dtype(group):
+    """The dtype torch gives Adam's step (float32, float64 under a float64
+    default dtype, float32 for fused)."""
+    if group.get("fused"):
+        return torch.float32
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+_hooks = (register_optimizer_step_pre_hook(_before_step), register_optimizer_step_post_hook(_after_step))
