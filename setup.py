@@ -212,7 +212,7 @@ def _extension():
         # that includes Python.h).
         sources=sorted(glob.glob("csrc/*.c") + glob.glob("binding/*.c")),
         # Headers too: a change to one rebuilds the extension.
-        depends=sorted(glob.glob("include/*.h") + glob.glob("csrc/*.h") + glob.glob("binding/*.h")
+        depends=sorted(glob.glob("include/*.h") + glob.glob("csrc/*.h") + glob.glob("csrc/*.inc") + glob.glob("binding/*.h")
                        + glob.glob("cuda/*.h") + glob.glob("cuda/*.cuh")),
         # One list for every C source: the binding needs all three; csrc/
         # includes only include/ and itself (the sanitizer test compiles it

@@ -69,6 +69,12 @@ def owned_state(table, tensor, per_row=False):
     return copy
 
 
+def scalar_dtype(fused=False):
+    """The dtype torch gives an Adam or Adagrad step count: float32, or
+    float64 under a float64 default dtype (float32 for fused steps)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 and not fused else torch.float32
+
+
 class HostStep:
     """The part of step() shared by the optimizers here: torch's own step
     for every parameter that is not a host table (their gradients hidden

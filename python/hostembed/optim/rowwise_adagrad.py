@@ -1,12 +1,13 @@
-"""hostembed.RowWiseAdagrad: Adagrad with one accumulator per row, for
-hostembed tables only."""
+"""hostembed.RowWiseAdagrad: Adagrad with one accumulator per row for
+hostembed tables (torch's Adagrad for the other parameters)."""
 import torch
+from torch.optim import adagrad as torch_adagrad
 
 from .._core import fused as _fused
 from .._core.ops import update as update_ops
 from .._core.table import table_of
 from ..io import validate as _validate
-from .base import HostStep, non_negative, owned_state
+from .base import HostStep, non_negative, owned_state, scalar_dtype
 
 
 class RowWiseAdagrad(HostStep, torch.optim.Optimizer):
@@ -22,7 +23,10 @@ class RowWiseAdagrad(HostStep, torch.optim.Optimizer):
     (``maximize`` negates g). State keys: ``step`` (an int, the steps
     taken) and ``row_sum`` (a tensor of that dtype, of shape
     [num_embeddings], made at the first step; pages backed as rows are
-    first written). Other parameters are refused: use torch.optim.Adagrad.
+    first written). Other parameters (a whole model's dense layers) get
+    torch.optim.Adagrad's step with the same lr, eps,
+    initial_accumulator_value and maximize, in its state layout (``step``,
+    ``sum``).
     """
 
     _name = "RowWiseAdagrad"
@@ -43,14 +47,10 @@ class RowWiseAdagrad(HostStep, torch.optim.Optimizer):
     def add_param_group(self, param_group):
         torch.optim.Optimizer.add_param_group(self, param_group)
         group = self.param_groups[-1]
+        tables = [t for t in map(table_of, group["params"]) if t is not None]
         try:
-            for p in group["params"]:
-                if table_of(p) is None:
-                    raise ValueError(
-                        f"RowWiseAdagrad updates hostembed tables only; got a parameter of shape {list(p.shape)} "
-                        "that is not one (use torch.optim.Adagrad, or another optimizer, for the other parameters)")
-            if group["fused"]:
-                _fused.register(self, [table_of(p) for p in group["params"]], self._name)
+            if group["fused"] and tables:
+                _fused.register(self, tables, self._name)
         except ValueError:
             self.param_groups.pop()
             raise
@@ -65,9 +65,28 @@ class RowWiseAdagrad(HostStep, torch.optim.Optimizer):
         pass
 
     def _torch_step(self):
-        pass  # no other parameters
+        """torch's Adagrad for the parameters that are not host tables (their
+        gradients are the only ones left visible)."""
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=scalar_dtype())
+                    state["sum"] = torch.full_like(p, group["initial_accumulator_value"],
+                                                   memory_format=torch.preserve_format)
+            if params:
+                torch_adagrad.adagrad(params, [p.grad for p in params], [self.state[p]["sum"] for p in params],
+                                      [self.state[p]["step"] for p in params],
+                                      has_sparse_grad=any(p.grad.is_sparse for p in params), lr=group["lr"],
+                                      weight_decay=0.0, lr_decay=0.0, eps=group["eps"], maximize=group["maximize"])
 
     def _check_state(self, entry, p, where):
+        if table_of(p) is None:
+            super()._check_state(entry, p, where)
+            if set(entry) != {"step", "sum"}:
+                raise ValueError(f"{where}: expected the keys ['step', 'sum'], found {sorted(map(repr, entry))}")
+            return
         if set(entry) != {"step", "row_sum"}:
             raise ValueError(f"{where}: expected the keys ['row_sum', 'step'], found {sorted(map(repr, entry))}")
         _validate.check_step(entry["step"], where)

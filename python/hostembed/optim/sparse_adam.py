@@ -3,7 +3,7 @@ for hostembed tables."""
 import time
 
 import torch
-from torch.optim import _functional as torch_functional
+from torch.optim import _functional as torch_functional, adam as torch_adam
 
 from .._cache.row_cache import flush_optimizer_tables, forget_optimizer_state
 from .._core import fused as _fused
@@ -12,7 +12,7 @@ from .._core.ops.gpu import take_grad_twin
 from .._core.table import table_of
 from ..io import validate as _validate
 from ..io.stream import copy_rows
-from .base import check_row_sparse, owned_state
+from .base import check_row_sparse, owned_state, scalar_dtype
 from .update_choice import UpdateChooser
 
 _STATE_TENSORS = ("exp_avg", "exp_avg_sq")
@@ -32,7 +32,10 @@ class SparseAdam(torch.optim.SparseAdam):
     place in host memory with the core's threads (one pass over the rows in
     the gradient; the moments are created at the first step, and their pages
     are backed as rows are first written). Any other parameter goes through
-    torch's own implementation.
+    torch's own implementation: torch's SparseAdam for a sparse gradient
+    (an nn.Embedding(sparse=True)), torch's Adam for a dense one, with
+    Adam's state layout; so ``SparseAdam(model.parameters())`` trains a
+    whole model, its tables lazily and its dense layers as Adam does.
 
     ``update`` says where the update of a table with GPU outputs runs:
     ``"gpu"`` by a kernel through the pinned mapping, reading the gradient
@@ -117,14 +120,18 @@ class SparseAdam(torch.optim.SparseAdam):
             _fused.step_taken(self)
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            dense = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if not p.grad.is_sparse:
-                    raise RuntimeError("SparseAdam does not support dense gradients, please consider Adam instead")
                 table = table_of(p)
                 if table is not None:
+                    if not p.grad.is_sparse:
+                        raise RuntimeError("SparseAdam does not support dense gradients, please consider Adam instead")
                     self._host_step(p, table, group)
+                    continue
+                if not p.grad.is_sparse:
+                    dense.append(p)
                     continue
                 state = self.state[p]
                 if len(state) == 0:
@@ -143,7 +150,30 @@ class SparseAdam(torch.optim.SparseAdam):
                     params, grads, exp_avgs, exp_avg_sqs, steps, eps=group["eps"], beta1=beta1, beta2=beta2,
                     lr=float(group["lr"]), maximize=group.get("maximize", False),
                 )
+            if dense:
+                self._dense_step(dense, group)
         return loss
+
+    def _dense_step(self, params, group):
+        """torch.optim.Adam's step for parameters with dense gradients (a
+        whole model's dense layers), with its state layout: one optimizer
+        for a model, the tables updated lazily, the rest as Adam would."""
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in params:
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if not isinstance(state["step"], torch.Tensor):  # a state from the sparse path or a load
+                state["step"] = torch.tensor(float(state["step"]), dtype=scalar_dtype())
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        torch_adam.adam(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
+                        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=0.0, eps=group["eps"],
+                        maximize=group.get("maximize", False))
 
     def _host_step(self, p, table, group):
         grad = p.grad

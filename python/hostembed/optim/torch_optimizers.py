@@ -32,7 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .._core.ops import update as update_ops
 from .._core.table import table_of
-from .base import HostStep, owned_state
+from .base import HostStep, owned_state, scalar_dtype
 from .sparse_adam import SparseAdam
 
 SPARSE, ADAM, DENSE = "sparse", "adam", "dense"
@@ -126,7 +126,7 @@ def _adam_step(optimizer, p, table, group, grad):
     if len(state) == 0:
         # As torch's _init_group: a 0-d step, moments shaped like p (here
         # buffers of the table, whose pages are backed as they are written).
-        state["step"] = torch.tensor(0.0, dtype=_scalar_dtype(group))
+        state["step"] = torch.tensor(0.0, dtype=scalar_dtype(bool(group.get("fused"))))
         state["exp_avg"] = table.zeros()
         state["exp_avg_sq"] = table.zeros()
         if amsgrad:
@@ -151,14 +151,6 @@ def _adam_step(optimizer, p, table, group, grad):
         step_t += 1
     else:
         state["step"] = step
-
-
-def _scalar_dtype(group):
-    """The dtype torch gives Adam's step (float32, float64 under a float64
-    default dtype, float32 for fused)."""
-    if group.get("fused"):
-        return torch.float32
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 _hooks = (register_optimizer_step_pre_hook(_before_step), register_optimizer_step_post_hook(_after_step))

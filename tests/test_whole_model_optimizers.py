@@ -1,0 +1,141 @@
+"""One hostembed optimizer for a whole model: SparseAdam, SGD, Adagrad and
+RowWiseAdagrad take the dense layers' parameters too and update them as the
+matching torch optimizer would (Adam, SGD, Adagrad, Adagrad), so training
+with model.parameters() gives the bits of the split pair (the tables to
+the hostembed optimizer, the rest to torch's), and the state_dict holds
+both parts."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import hostembed
+
+N, D = 200, 8
+
+# name: (whole-model optimizer, (table optimizer, dense optimizer) of the split pair)
+PAIRS = {
+    "SparseAdam": (lambda p: hostembed.SparseAdam(p, lr=1e-2),
+                   (lambda p: hostembed.SparseAdam(p, lr=1e-2), lambda p: torch.optim.Adam(p, lr=1e-2))),
+    "SparseAdam fused": (lambda p: hostembed.SparseAdam(p, lr=1e-2, fused=True),
+                         (lambda p: hostembed.SparseAdam(p, lr=1e-2, fused=True),
+                          lambda p: torch.optim.Adam(p, lr=1e-2))),
+    "SparseAdam maximize": (lambda p: hostembed.SparseAdam(p, lr=1e-2, betas=(0.8, 0.99), maximize=True),
+                            (lambda p: hostembed.SparseAdam(p, lr=1e-2, betas=(0.8, 0.99), maximize=True),
+                             lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99), maximize=True))),
+    "SGD": (lambda p: hostembed.SGD(p, lr=0.1),
+            (lambda p: hostembed.SGD(p, lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1))),
+    "Adagrad": (lambda p: hostembed.Adagrad(p, lr=0.1),
+                (lambda p: hostembed.Adagrad(p, lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1))),
+    "RowWiseAdagrad": (lambda p: hostembed.RowWiseAdagrad(p, lr=0.1, initial_accumulator_value=0.1),
+                       (lambda p: hostembed.RowWiseAdagrad(p, lr=0.1, initial_accumulator_value=0.1),
+                        lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1))),
+}
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = hostembed.Embedding(N, D)
+        self.bag = hostembed.EmbeddingBag(N, D, mode="sum")
+        self.head = nn.Sequential(nn.Linear(2 * D, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, ids):
+        return self.head(torch.cat([self.emb(ids).mean(1), self.bag(ids)], 1)).squeeze(1)
+
+
+def tables(model):
+    return [model.emb.weight, model.bag.weight]
+
+
+def dense(model):
+    return list(model.head.parameters())
+
+
+def models():
+    torch.manual_seed(0)
+    whole = Model()
+    split = copy.deepcopy(whole)
+    return whole, split
+
+
+def train(model, opts, steps=15, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, N, (16, 4), generator=g)
+        target = torch.randn(16, generator=g)
+        for opt in opts:
+            opt.zero_grad()
+        (model(ids) - target).pow(2).mean().backward()
+        for opt in opts:
+            opt.step()
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_one_optimizer_for_the_whole_model_gives_the_split_pairs_bits(name):
+    make_whole, (make_tables, make_dense) = PAIRS[name]
+    whole, split = models()
+    opt_whole = make_whole(whole.parameters())
+    opt_tables, opt_dense = make_tables(tables(split)), make_dense(dense(split))
+    train(whole, [opt_whole])
+    train(split, [opt_tables, opt_dense])
+    for key, value in split.state_dict().items():
+        assert torch.equal(whole.state_dict()[key], value), key
+    # Both parts in the state_dict, each in its optimizer's layout.
+    state = opt_whole.state_dict()["state"]
+    for index, p in enumerate(dense(split)):
+        assert sorted(state.get(2 + index, {})) == sorted(opt_dense.state[p])
+        for key, value in opt_dense.state[p].items():
+            assert torch.equal(torch.as_tensor(state[2 + index][key]), torch.as_tensor(value)), key
+
+
+def test_the_dense_part_of_a_sparse_adam_state_loads_into_torchs_adam():
+    whole, split = models()
+    opt_whole = hostembed.SparseAdam(whole.parameters(), lr=1e-2)
+    train(whole, [opt_whole], steps=5)
+    saved = copy.deepcopy(opt_whole.state_dict())
+    # The head's part, loaded into torch's Adam, continues as the whole optimizer does.
+    split.load_state_dict(whole.state_dict())
+    opt_tables = hostembed.SparseAdam(tables(split), lr=1e-2)
+    opt_dense = torch.optim.Adam(dense(split), lr=1e-2)
+    opt_tables.load_state_dict({"state": {0: saved["state"][0], 1: saved["state"][1]},
+                                "param_groups": [dict(saved["param_groups"][0], params=[0, 1])]})
+    opt_dense.load_state_dict({"state": {i: saved["state"][i + 2] for i in range(4)},
+                               "param_groups": [dict(torch.optim.Adam(dense(split)).state_dict()["param_groups"][0],
+                                                     lr=1e-2, params=[0, 1, 2, 3])]})
+    train(whole, [opt_whole], steps=5, seed=1)
+    train(split, [opt_tables, opt_dense], steps=5, seed=1)
+    for key, value in split.state_dict().items():
+        assert torch.equal(whole.state_dict()[key], value), key
+
+
+def test_a_whole_model_optimizer_checkpoints_and_resumes(tmp_path):
+    whole, _ = models()
+    opt = hostembed.SparseAdam(whole.parameters(), lr=1e-2)
+    train(whole, [opt], steps=4)
+    hostembed.save(tmp_path / "ckpt.pt", whole, opt)
+    train(whole, [opt], steps=4, seed=1)
+    resumed, _ = models()
+    opt_resumed = hostembed.SparseAdam(resumed.parameters(), lr=1e-2)
+    hostembed.load(tmp_path / "ckpt.pt", resumed, opt_resumed)
+    train(resumed, [opt_resumed], steps=4, seed=1)
+    for key, value in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key
+
+
+def test_rowwise_adagrad_loads_the_state_of_both_parts():
+    whole, other = models()
+    opt = hostembed.RowWiseAdagrad(whole.parameters(), lr=0.1)
+    train(whole, [opt], steps=3)
+    other.load_state_dict(whole.state_dict())
+    opt_other = hostembed.RowWiseAdagrad(other.parameters(), lr=0.1)
+    opt_other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    train(whole, [opt], steps=3, seed=1)
+    train(other, [opt_other], steps=3, seed=1)
+    for key, value in whole.state_dict().items():
+        assert torch.equal(other.state_dict()[key], value), key
+    bad = copy.deepcopy(opt.state_dict())
+    bad["state"][2] = {"step": 1, "row_sum": torch.zeros(16)}
+    with pytest.raises(ValueError, match="expected the keys \\['step', 'sum'\\]"):
+        opt_other.load_state_dict(bad)
