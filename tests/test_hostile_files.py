@@ -95,16 +95,25 @@ def write_pt(path, pickle_bytes, storages, byteorder=b"little", compress=zipfile
     return str(path)
 
 
-def patch_central_sizes(blob, name_suffix, size):
-    """Sets the compressed and uncompressed sizes of a record in the zip's central directory."""
+# signature, offsets of the name's length, the name, the sizes (compressed, uncompressed)
+_ZIP_HEADERS = {"central": (b"PK\x01\x02", 28, 46, 20), "local": (b"PK\x03\x04", 26, 30, 18)}
+
+
+def patch_record_sizes(blob, name_suffix, size, header="central", uncompressed_only=False):
+    """Sets the compressed and uncompressed sizes (or only the uncompressed
+    one) of a record in the zip's central directory or its local header."""
+    signature, name_len_at, name_at, sizes_at = _ZIP_HEADERS[header]
     blob = bytearray(blob)
     pos = 0
     while True:
-        pos = blob.find(b"PK\x01\x02", pos)
+        pos = blob.find(signature, pos)
         assert pos >= 0, name_suffix
-        name_len = struct.unpack_from("<H", blob, pos + 28)[0]
-        if bytes(blob[pos + 46:pos + 46 + name_len]).endswith(name_suffix):
-            struct.pack_into("<II", blob, pos + 20, size, size)
+        name_len = struct.unpack_from("<H", blob, pos + name_len_at)[0]
+        if bytes(blob[pos + name_at:pos + name_at + name_len]).endswith(name_suffix):
+            if uncompressed_only:
+                struct.pack_into("<I", blob, pos + sizes_at + 4, size)
+            else:
+                struct.pack_into("<II", blob, pos + sizes_at, size, size)
             return bytes(blob)
         pos += 4
 
@@ -138,7 +147,7 @@ def r9_bytes(tmp_path):
     """R9: a torch.save archive whose 'byteorder' record claims 4 GiB in the central directory."""
     path = tmp_path / "r9_src.pt"
     torch.save(torch.arange(24.0).view(6, 4), path)
-    return patch_central_sizes(path.read_bytes(), b"/byteorder", 0xFFFFFFFF)
+    return patch_record_sizes(path.read_bytes(), b"/byteorder", 0xFFFFFFFF)
 
 
 def extra_hostile_pt(tmp_path):

@@ -23,14 +23,15 @@ revert to the previous one (never to a mix).
 
 Loading is check-then-copy, not staged: staging would hold a second copy of
 every table and its two moments (80 GB more for a 40 GB table with Adam).
-1. Check, from metadata only, before anything changes: the file's structure,
-   every model entry as torch's load_state_dict would (keys, types, layout,
-   shapes, that the dtype converts), every optimizer state dict (group count
-   and sizes, parameter ids, hyperparameters as the constructors check them
-   (0 <= beta < 1, eps, lr >= 0, flags), steps (an int >= 0 or a 0-d tensor
-   holding one), moments (floating, shaped like their parameter)), a dry run
-   of torch's load_state_dict for torch optimizers, and that the file still
-   holds every byte the tensors map. Anything wrong raises RuntimeError
+1. Check, from metadata only, before anything changes: the zip records' sizes,
+   before torch.load reads any (it allocates what a record claims), the file's
+   structure, every model entry as torch's load_state_dict would (keys, types,
+   layout, shapes, that the dtype converts), every optimizer state dict (group
+   count and sizes, parameter ids, hyperparameters as the constructors check
+   them (0 <= beta < 1, eps, lr >= 0, flags), steps (an int >= 0 or a 0-d
+   tensor holding one), moments (floating, shaped like their parameter)), a
+   dry run of torch's load_state_dict for torch optimizers, and that the file
+   still holds every byte the tensors map. Anything wrong raises RuntimeError
    (does not fit the model: keys, shapes, group sizes) or ValueError /
    TypeError (malformed values), naming the entry, and changes nothing.
 2. Stage what costs no second copy: the SparseAdam moments of an optimizer
@@ -61,7 +62,7 @@ from torch import nn
 
 from .._core.table import table_of
 from . import validate as _validate
-from .files import LOADABLE, FileRows
+from .files import LOADABLE, FileRows, check_torch_archive
 from .stream import copy_rows, progress_bar, read_rows
 
 FORMAT = "hostembed.checkpoint"
@@ -229,11 +230,16 @@ class _Load:
         return checkpoint.get("extra")
 
     def _read(self):
+        cannot = (f"hostembed.load: cannot read '{self.path}' as a checkpoint (a truncated or partly written file "
+                  "reads like this)")
+        # torch.load allocates the size a record claims before reading it
+        # (4 GiB for a forged 1 KB file): the records are checked first
+        with open(self.fd, "rb", closefd=False) as f:
+            check_torch_archive(self.path, f, self.stat.st_size, cannot)
         try:
             return torch.load(self.source, map_location="cpu", mmap=True, weights_only=True)
         except Exception as exc:  # a damaged archive raises RuntimeError, UnpicklingError, ...
-            raise ValueError(f"hostembed.load: cannot read '{self.path}' as a checkpoint (a truncated or partly "
-                             f"written file reads like this): {exc}") from exc
+            raise ValueError(f"{cannot}: {exc}") from exc
 
     def _check_top(self, checkpoint):
         path = self.path

@@ -33,11 +33,13 @@ MAX_HEADER_SIZE), headers and state_dicts nested at most 16 levels
 (_MAX_NESTING; valid files use 2 to 4).
 
 torch.save files, what is guarded and what cannot be: before torch.load runs,
-the zip archive's central directory (read with Python's zipfile): every record
-stored uncompressed, its claimed size inside the file (torch allocates a
-record's claimed size before reading it, R9), storage records' data inside
-the file; after it, the chosen tensor: a dense CPU tensor whose elements fit
-in its storage, a storage that is exactly one storage record of the archive.
+the zip archive's records (check_torch_archive, which hostembed.load runs
+too): every record stored uncompressed, the sizes its central directory entry
+(read with Python's zipfile) and its local header claim the same, its data
+inside the file (torch allocates a record's claimed size before reading it:
+R9, and a 4 GiB 'data.pkl' in a 1 KB file); after it, the chosen tensor: a
+dense CPU tensor whose elements fit in its storage, a storage that is exactly
+one storage record of the archive.
 What runs in between is torch's: its zip reader (miniz) parses the archive
 again, and its weights_only unpickler the pickle. An archive built so that
 Python's zipfile and miniz find different central directories could still
@@ -461,21 +463,25 @@ def _safetensors_rows(path, f, size, key):
 # hostembed guards around it: the zip records (before torch.load reads any),
 # and the tensor torch builds (before a table of its shape is allocated).
 
-def _check_torch_archive(path, f, size):
-    """Checks the archive's central directory before torch reads it: every
-    record stored (torch.load(mmap=True) maps storages in place and would
-    read deflated bytes as data), its size consistent and inside the file
-    (torch allocates a record's claimed size before reading it: R9). Returns
-    the archive's byte order (its 'byteorder' record, else torch's default)
-    and {offset in the file: (name, size)} of its storage records."""
+def check_torch_archive(path, f, size, cannot_read=None):
+    """Checks the archive's records before torch reads any: every record
+    stored (torch.load(mmap=True) maps storages in place and would read
+    deflated bytes as data), the sizes its central directory entry and its
+    local header claim the same, and its data inside the file (torch
+    allocates the size a record claims before reading it: R9). Both
+    hostembed.load and the .pt table reader go through here. `cannot_read`
+    begins every refusal (default: "hostembed: cannot read '<path>' as a
+    torch.save file"). Returns the archive's byte order (its 'byteorder'
+    record, else torch's default) and {offset in the file: (name, size)} of
+    its storage records."""
+    cannot = cannot_read or f"hostembed: cannot read '{path}' as a torch.save file"
 
     def damaged(exc):
         f.seek(0)
         legacy = f.read(1) == b"\x80"  # a pickle: torch.save's format before torch 1.6
         hint = ("; it looks like torch.save's legacy format (before torch 1.6, or _use_new_zipfile_serialization="
                 "False): pass torch.load(path) instead, or save it again" if legacy else "")
-        return ValueError(f"hostembed: cannot read '{path}' as a torch.save file: not a valid zip archive "
-                          f"({type(exc).__name__}: {_cut(str(exc), 160)}){hint}")
+        return ValueError(f"{cannot}: not a valid zip archive ({type(exc).__name__}: {_cut(str(exc), 160)}){hint}")
 
     try:
         archive = zipfile.ZipFile(f)
@@ -484,7 +490,7 @@ def _check_torch_archive(path, f, size):
         raise damaged(exc) from None
     with archive:
         if not infos:
-            raise ValueError(f"hostembed: cannot read '{path}' as a torch.save file: the zip archive is empty")
+            raise ValueError(f"{cannot}: the zip archive is empty")
         # zipfile reads the central directory that ends at the end record, and
         # shifts every offset by the difference to where the record says it
         # is (data before the archive); torch's reader (miniz) reads it where
@@ -494,56 +500,85 @@ def _check_torch_archive(path, f, size):
         except Exception:  # a zipfile without these internals: the check is skipped
             said = getattr(archive, "start_dir", None)
         if getattr(archive, "start_dir", said) != said:
-            raise ValueError(f"hostembed: cannot read '{path}' as a torch.save file: its central directory is at "
-                             f"byte {archive.start_dir}, but its end record says byte {said} (data before or inside "
-                             "the archive)")
-        for info in infos:
-            record = _quote(info.filename, 60)
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise ValueError(f"hostembed: cannot read '{path}' as a torch.save file: record {record} is "
-                                 f"compressed (method {info.compress_type}); torch.save stores records "
-                                 "uncompressed, and torch.load(mmap=True) would read the compressed bytes as data")
-            if info.external_attr & 0x10 or info.filename.endswith("/") or info.flag_bits & 0x41:
-                # torch's reader (miniz) extracts a "directory" as nothing (torch.load without mmap then
-                # returns uninitialised memory as the storage), and refuses an encrypted one
-                raise ValueError(f"hostembed: cannot read '{path}' as a torch.save file: record {record} is marked "
-                                 "as a directory or as encrypted (torch.save writes neither)")
-            if info.file_size != info.compress_size or not 0 <= info.header_offset <= size - 30 - info.file_size:
-                raise ValueError(f"hostembed: cannot read '{path}' as a torch.save file: record {record} claims "
-                                 f"{info.file_size} bytes ({info.compress_size} stored) at byte "
-                                 f"{info.header_offset}, the file has {size} bytes")
-        prefix = infos[0].filename.split("/", 1)[0]  # torch's archive name: its first record's folder
-        storages = {}
-        for info in infos:
-            if info.filename.startswith(f"{prefix}/data/"):
-                local = os.pread(f.fileno(), 30, info.header_offset)
-                if len(local) < 30 or local[:4] != b"PK\x03\x04":
-                    raise ValueError(f"hostembed: cannot read '{path}' as a torch.save file: record "
-                                     f"{_quote(info.filename, 60)} has no local header at byte {info.header_offset}")
-                start = info.header_offset + 30 + sum(struct.unpack_from("<HH", local, 26))
-                if start + info.file_size > size:
-                    raise ValueError(f"hostembed: cannot read '{path}' as a torch.save file: record "
-                                     f"{_quote(info.filename, 60)} of {info.file_size} bytes at byte {start} runs "
-                                     f"past the end of the file ({size} bytes)")
-                storages[start] = (info.filename, info.file_size)
-        info = next((i for i in infos if i.filename == f"{prefix}/byteorder"), None)
-        if info is None:
-            # as torch.load decides for an archive without the record
-            default = torch.serialization.get_default_load_endianness()
-            if default == torch.serialization.LoadEndianness.NATIVE:
-                return sys.byteorder, storages
-            return ("big" if default == torch.serialization.LoadEndianness.BIG else "little"), storages
-        if info.file_size > 16:
-            raise ValueError(f"hostembed: cannot read '{path}' as a torch.save file: record "
-                             f"{_quote(info.filename, 60)} holds {info.file_size} bytes, expected 'little' or 'big'")
-        try:
-            return archive.read(info).decode("latin1"), storages
-        except Exception as exc:
-            raise damaged(exc) from None
+            raise ValueError(f"{cannot}: its central directory is at byte {archive.start_dir}, but its end record "
+                             f"says byte {said} (data before or inside the archive)")
+    prefix = infos[0].filename.split("/", 1)[0]  # torch's archive name: its first record's folder
+    storages, byteorder = {}, None
+    for info in infos:
+        start = _record_start(cannot, f, size, info)
+        if info.filename.startswith(f"{prefix}/data/"):
+            storages[start] = (info.filename, info.file_size)
+        elif info.filename == f"{prefix}/byteorder" and byteorder is None:
+            byteorder = info, start
+    if byteorder is None:
+        # as torch.load decides for an archive without the record
+        default = torch.serialization.get_default_load_endianness()
+        if default == torch.serialization.LoadEndianness.NATIVE:
+            return sys.byteorder, storages
+        return ("big" if default == torch.serialization.LoadEndianness.BIG else "little"), storages
+    info, start = byteorder
+    if info.file_size > 16:
+        raise ValueError(f"{cannot}: record {_quote(info.filename, 60)} holds {info.file_size} bytes, expected "
+                         "'little' or 'big'")
+    # read here rather than with zipfile, which checks the record's CRC-32:
+    # hostembed.save writes none (torch.load checks none)
+    return os.pread(f.fileno(), info.file_size, start).decode("latin1"), storages
+
+
+def _record_start(cannot, f, size, info):
+    """Where a record's data begins in the file, once its central directory
+    entry and its local header agree on its size and the data lies inside
+    the file: miniz allocates the central directory's uncompressed size
+    before it reads a record; a reader that trusts the local header would
+    allocate that one."""
+    record = _quote(info.filename, 60)
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"{cannot}: record {record} is compressed (method {info.compress_type}); torch.save "
+                         "stores records uncompressed, and torch.load(mmap=True) would read the compressed bytes "
+                         "as data")
+    if info.external_attr & 0x10 or info.filename.endswith("/") or info.flag_bits & 0x41:
+        # torch's reader (miniz) extracts a "directory" as nothing (torch.load without mmap then
+        # returns uninitialised memory as the storage), and refuses an encrypted one
+        raise ValueError(f"{cannot}: record {record} is marked as a directory or as encrypted (torch.save writes "
+                         "neither)")
+    if info.file_size != info.compress_size or not 0 <= info.header_offset <= size - 30 - info.file_size:
+        raise ValueError(f"{cannot}: record {record} claims {info.file_size} bytes ({info.compress_size} stored) "
+                         f"at byte {info.header_offset}, the file has {size} bytes")
+    local = os.pread(f.fileno(), 30, info.header_offset)
+    if len(local) < 30 or local[:4] != b"PK\x03\x04":
+        raise ValueError(f"{cannot}: record {record} has no local header at byte {info.header_offset}")
+    stored, claimed = _local_sizes(f, info, local)
+    if stored not in (0, info.file_size) or claimed not in (0, info.file_size):  # 0: the sizes follow the data
+        raise ValueError(f"{cannot}: record {record} claims {claimed} bytes ({stored} stored) in its local header "
+                         f"at byte {info.header_offset}, {info.file_size} in the central directory")
+    start = info.header_offset + 30 + sum(struct.unpack_from("<HH", local, 26))
+    if start + info.file_size > size:
+        raise ValueError(f"{cannot}: record {record} of {info.file_size} bytes at byte {start} runs past the end "
+                         f"of the file ({size} bytes)")
+    return start
+
+
+def _local_sizes(f, info, local):
+    """The sizes (stored, uncompressed) a record's local header claims: its
+    own fields, or, for a field marked 0xFFFFFFFF, its zip64 extra field's
+    (uncompressed first); a marker without one stands as the claim."""
+    stored, claimed = struct.unpack_from("<II", local, 18)
+    if 0xFFFFFFFF not in (stored, claimed):
+        return stored, claimed
+    name_len, extra_len = struct.unpack_from("<HH", local, 26)
+    extra = os.pread(f.fileno(), extra_len, info.header_offset + 30 + name_len)
+    while len(extra) >= 4:
+        kind, length = struct.unpack_from("<HH", extra)
+        if kind == 1:
+            values = iter(struct.unpack_from(f"<{min(length, len(extra) - 4) // 8}Q", extra, 4))
+            claimed = next(values, claimed) if claimed == 0xFFFFFFFF else claimed
+            return (next(values, stored) if stored == 0xFFFFFFFF else stored), claimed
+        extra = extra[4 + length:]
+    return stored, claimed
 
 
 def _torch_file_tensor(path, f, size, key):
-    byteorder, storages = _check_torch_archive(path, f, size)
+    byteorder, storages = check_torch_archive(path, f, size)
     try:
         loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:  # torch raises RuntimeError/UnpicklingError/... for a damaged archive
