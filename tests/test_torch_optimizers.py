@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import hostembed
+from conftest import assert_adam_bound
 from hostembed._core.table import table_of
 
 N, D = 300, 16
@@ -86,17 +87,6 @@ def train(model, opt, data, closure_style=False):
         else:
             closure()
             opt.step()
-
-
-def assert_adam_bound(ours, theirs, reference, what):
-    """ours (the core's Adam) is within twice torch's own float32 error of
-    the float64 run, and every element within 4 roundings of torch's or,
-    near 0, within torch's own largest error."""
-    eps = torch.finfo(theirs.dtype).eps
-    ours, theirs, reference = ours.double(), theirs.double(), reference.double()
-    torch_error = (theirs - reference).abs().max()
-    assert (ours - reference).abs().max() <= 2 * torch_error + 4 * eps * 1e-2, what
-    assert ((ours - theirs).abs() <= 4 * eps * theirs.abs() + torch_error).all(), what
 
 
 @pytest.mark.parametrize("name", list(SETUPS))
@@ -310,3 +300,20 @@ def test_half_tables_take_the_dense_route_with_torchs_results():
     assert table_of(ours.emb.weight).dense_gradient and not ours.emb.weight.grad.is_sparse
     for key, value in ref.state_dict().items():
         torch.testing.assert_close(ours.state_dict()[key], value, rtol=2 * 2 ** -8, atol=1e-3)
+
+
+def test_the_ctr_benchmark_checks_and_reports_every_route(tmp_path, monkeypatch):
+    import json
+    import pathlib
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    import ctr_adam
+    out = tmp_path / "ctr.json"
+    names = "torch_adam,torch_adam_fused,swap_adam,swap_adam_fused,sparse_adam"
+    ctr_adam.main(["--rows", "3900", "--batch", "64", "--rounds", "2", "--epoch-batches", "4", "--contenders", names,
+                   "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert sorted(report["results"]) == sorted(names.split(","))
+    for name, result in report["results"].items():
+        assert result["median_ms"] > 0 and 0 < result["auc"] < 1, name
+    # The exact routes were checked against the float64 run before timing.
+    assert report["checks"]["swap_adam_error_vs_float64"] <= 2 * report["checks"]["torch_adam_error_vs_float64"] + 1e-9

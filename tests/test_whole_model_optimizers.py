@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import hostembed
+from conftest import assert_adam_bound
 
 N, D = 200, 8
 
@@ -139,3 +140,75 @@ def test_rowwise_adagrad_loads_the_state_of_both_parts():
     bad["state"][2] = {"step": 1, "row_sum": torch.zeros(16)}
     with pytest.raises(ValueError, match="expected the keys \\['step', 'sum'\\]"):
         opt_other.load_state_dict(bad)
+
+
+def _adam_pair(cls, **options):
+    """A model trained by hostembed's Adam/AdamW (options) and the same
+    model with nn.Embedding(sparse=False) / nn.EmbeddingBag trained by
+    torch's, with fused=True for both (hostembed's default for the dense
+    part), and a float64 run of torch's."""
+    torch.manual_seed(0)
+    ours = Model()
+    ref = nn.Module()
+    ref.emb, ref.bag, ref.head = nn.Embedding(N, D), nn.EmbeddingBag(N, D, mode="sum"), copy.deepcopy(ours.head)
+    ref.load_state_dict(ours.state_dict())
+    ref.forward = lambda ids: ref.head(torch.cat([ref.emb(ids).mean(1), ref.bag(ids)], 1)).squeeze(1)
+    ref64 = copy.deepcopy(ref).double()
+    ref64.forward = lambda ids: ref64.head(torch.cat([ref64.emb(ids).mean(1), ref64.bag(ids)], 1)).squeeze(1)
+    torch_cls = getattr(torch.optim, cls)
+    opts = (getattr(hostembed, cls)(ours.parameters(), lr=1e-2, **options),
+            torch_cls(ref.parameters(), lr=1e-2, fused=True, **options),
+            torch_cls(ref64.parameters(), lr=1e-2, **options))
+    return (ours, ref, ref64), opts
+
+
+@pytest.mark.parametrize("cls, options", [("Adam", {}), ("Adam", {"weight_decay": 1e-2, "amsgrad": True}),
+                                          ("AdamW", {}), ("AdamW", {"maximize": True})])
+def test_hostembed_adam_trains_a_whole_model_to_torchs_results(cls, options):
+    models, opts = _adam_pair(cls, **options)
+    assert opts[0].param_groups[0]["fused"] is True  # torch's fused kernel for the dense part
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        ids = torch.randint(0, N // 2, (16, 4), generator=g)
+        target = torch.randn(16, generator=g, dtype=torch.float64)
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            (model(ids) - target.to(model.head[0].weight.dtype)).pow(2).mean().backward()
+            opt.step()
+    ours, ref, ref64 = models
+    assert ours.emb.weight.grad.is_sparse and not ours.emb._table.dense_gradient
+    for name in ("emb.weight", "bag.weight"):
+        assert_adam_bound(ours.state_dict()[name], ref.state_dict()[name], ref64.state_dict()[name], name)
+    # The dense layers: the float32 models' gradients differ in the last bits
+    # (through the tables), so the same bound.
+    for name, value in ref.head.state_dict().items():
+        assert_adam_bound(ours.head.state_dict()[name], value, ref64.head.state_dict()[name], name)
+
+
+def test_hostembed_adam_runs_closures_and_its_state_loads_into_torchs_adam():
+    torch.manual_seed(0)
+    model = Model()
+    opt = hostembed.Adam(model.parameters(), lr=1e-2, fused=False)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        ids = torch.randint(0, N, (16, 4), generator=g)
+
+        def closure():
+            opt.zero_grad()
+            loss = model(ids).pow(2).mean()
+            loss.backward()
+            return loss
+        opt.step(closure)
+    assert model.emb.weight.grad.is_sparse and len(opt.state[model.emb.weight]) == 3
+    plain = torch.optim.Adam(model.parameters(), lr=1e-2)
+    plain.load_state_dict(copy.deepcopy(opt.state_dict()))
+    mirror = copy.deepcopy(model)
+    mirror_opt = hostembed.Adam(mirror.parameters(), lr=1e-2, fused=False)
+    mirror_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    ids = torch.randint(0, N, (16, 4), generator=g)
+    for m, o in ((model, plain), (mirror, mirror_opt)):  # torch's Adam through the swap's hooks, and ours
+        o.zero_grad()
+        m(ids).pow(2).mean().backward()
+        o.step()
+    for key, value in model.state_dict().items():
+        assert torch.equal(mirror.state_dict()[key], value), key

@@ -7,7 +7,8 @@ lookups and the updates in place.
 The package, by layer (each imports only from the layers below it):
   nn/      Embedding, EmbeddingBag, replace_embeddings, clip_grad_norm_; the
            lookup paths (nn/lookup/)
-  optim/   SparseAdam, SGD, Adagrad, RowWiseAdagrad
+  optim/   SparseAdam, SGD, Adagrad, RowWiseAdagrad, Adam, AdamW; torch's own
+           optimizers on host tables (optim/torch_optimizers.py)
   io/      table files, chunked loads, load checks, checkpoints (save, load)
   _cache/  the row cache (private)
   _core/   the boundary to the C core (private): HostTable, ids, the
@@ -23,12 +24,12 @@ from .io.checkpoint import load, save
 from .nn import Embedding, EmbeddingBag, clip_grad_norm_, replace_embeddings
 from .nn import clip as _clip, embedding as _embedding, embedding_bag as _embedding_bag, replace as _replace
 from . import optim as _optim
-from .optim import SGD, Adagrad, RowWiseAdagrad, SparseAdam
+from .optim import SGD, Adagrad, Adam, AdamW, RowWiseAdagrad, SparseAdam
 
 __version__ = "0.1.0"
-__all__ = ["Embedding", "EmbeddingBag", "SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad", "IdDtypeError", "save",
-           "load", "replace_embeddings", "set_num_threads", "get_num_threads", "empty_cache", "cuda_available",
-           "cuda_compiled", "clip_grad_norm_"]
+__all__ = ["Embedding", "EmbeddingBag", "SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "AdamW",
+           "IdDtypeError", "save", "load", "replace_embeddings", "set_num_threads", "get_num_threads", "empty_cache",
+           "cuda_available", "cuda_compiled", "clip_grad_norm_"]
 
 # The public modules of the flat layout this package had before its
 # subpackages, under their old names: pickles of modules saved then name

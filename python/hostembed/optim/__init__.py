@@ -7,7 +7,9 @@ gradient's rows, one optimizer a file over one base.
   sparse_adam.py      SparseAdam (its update on the CPU or on the GPU)
   sgd.py              SGD
   adagrad.py          Adagrad
-  rowwise_adagrad.py  RowWiseAdagrad (host tables only)
+  rowwise_adagrad.py  RowWiseAdagrad (torch's Adagrad for other parameters)
+  adam.py             Adam and AdamW: torch's dense semantics, each table
+                      stepped by the core without a dense gradient
   update_choice.py    where SparseAdam updates a table with GPU outputs,
                       settled by timing both
   torch_optimizers.py torch's own optimizers on host tables (the gradient
@@ -27,9 +29,10 @@ parameters it keeps torch's meaning.
 Adding an optimizer: base.py says how.
 """
 from .adagrad import Adagrad
+from .adam import Adam, AdamW
 from .rowwise_adagrad import RowWiseAdagrad
 from .sgd import SGD
 from .sparse_adam import SparseAdam
 from .torch_optimizers import route as torch_optimizer_route  # registers the step hooks
 
-__all__ = ["SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad", "torch_optimizer_route"]
+__all__ = ["SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "AdamW", "torch_optimizer_route"]

@@ -81,6 +81,9 @@ class HostStep:
     from it for the call), then the core's update of each host table."""
 
     _name = None
+    # fused=True means the update in backward (_core/fused.py); Adam and
+    # AdamW keep torch's meaning (its fused kernel for the other parameters).
+    _fused_in_backward = True
 
     def _host_params(self):
         for group in self.param_groups:
@@ -144,7 +147,7 @@ class HostStep:
         if tables:
             try:
                 self._check_host_group(group, f"{self._name}")
-                if group.get("fused"):
+                if group.get("fused") and self._fused_in_backward:
                     _fused.register(self, tables, self._name)
             except Exception:
                 self.param_groups.pop()

@@ -30,9 +30,9 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .._core.ops import update as update_ops
 from .._core.table import table_of
-from .base import HostStep, owned_state, scalar_dtype
+from .adam import table_step
+from .base import HostStep
 from .sparse_adam import SparseAdam
 
 SPARSE, ADAM, DENSE = "sparse", "adam", "dense"
@@ -91,7 +91,7 @@ def _after_step(optimizer, args, kwargs):
         return
     try:
         for p, table, group, grad in taken:
-            _adam_step(optimizer, p, table, group, grad)
+            table_step(optimizer, p, table, group, grad._indices()[0], grad._values())
     finally:
         for p, _, _, grad in taken:
             p.grad = grad
@@ -116,41 +116,6 @@ def _make_dense(optimizer, p, table):
     grad = p.grad
     if grad is not None and grad.is_sparse:
         p.grad = grad.to_dense()
-
-
-def _adam_step(optimizer, p, table, group, grad):
-    """torch's Adam/AdamW step of `p` (a host table) from its row-sparse
-    gradient, with the state in optimizer.state[p] as torch keeps it."""
-    amsgrad = bool(group["amsgrad"])
-    state = optimizer.state[p]
-    if len(state) == 0:
-        # As torch's _init_group: a 0-d step, moments shaped like p (here
-        # buffers of the table, whose pages are backed as they are written).
-        state["step"] = torch.tensor(0.0, dtype=scalar_dtype(bool(group.get("fused"))))
-        state["exp_avg"] = table.zeros()
-        state["exp_avg_sq"] = table.zeros()
-        if amsgrad:
-            state["max_exp_avg_sq"] = table.zeros()
-    keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
-    for key in keys:
-        if key not in state:  # amsgrad switched on in a loaded group: torch would fail; start it at zero
-            state[key] = table.zeros()
-        # A state loaded by load_state_dict is torch's own tensor: copied
-        # into a buffer of the table, once.
-        state[key] = owned_state(table, state[key])
-    step_t = state["step"]
-    step = int(step_t.item()) + 1 if isinstance(step_t, torch.Tensor) else int(step_t) + 1
-    beta1, beta2 = (float(b) for b in group["betas"])
-    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-    update_ops.dense_adam(p, state, grad._indices()[0], grad._values(), lr=float(group["lr"]), beta1=beta1,
-                          beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                          step=step, decoupled=decoupled, amsgrad=amsgrad, maximize=bool(group["maximize"]),
-                          name=type(optimizer).__name__)
-    # Counted once the core took the gradient, as torch counts a step.
-    if isinstance(step_t, torch.Tensor):
-        step_t += 1
-    else:
-        state["step"] = step
 
 
 _hooks = (register_optimizer_step_pre_hook(_before_step), register_optimizer_step_post_hook(_after_step))
