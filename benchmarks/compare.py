@@ -16,10 +16,16 @@ in every case. The contenders differ only in the tables:
   4. hostembed.Embedding + hostembed.SparseAdam
   5. the same with SparseAdam(fused=True): the tables' update runs in
      backward, with no weight.grad
+  6. torch nn.Embedding on the CPU + torch.optim.Adam(fused=True) (dense):
+     torch's fastest dense Adam
+  7. hostembed.Embedding + torch.optim.Adam: the plain swap with the dense
+     optimizer kept; hostembed steps the tables over every row without a
+     dense gradient, with torch's results
 
 Every contender starts from the same weights and trains on the same
-batches. Contenders 2-5 must follow the same loss curve to float rounding,
-or the script fails without reporting timings.
+batches. Contenders 2-5 (SparseAdam) must follow the same loss curve to
+float rounding, and so must 1, 6 and 7 (dense Adam, fewer steps), or the
+script fails without reporting timings.
 
 Usage (after `pip install .`, or an in-place build with PYTHONPATH=python):
     python benchmarks/compare.py [--size default|large|tiny] [--users N --dim D ...]
@@ -232,7 +238,8 @@ class Contender:
     make_table: Callable      # (rows, cfg, out_device) -> embedding module
     table_optimizer: Callable  # torch.optim class over the tables
     on_gpu: bool = False      # tables on out_device (which must be a GPU)
-    dense: bool = False       # dense gradients: fewer steps, more memory
+    dense: bool = False       # dense Adam: fewer steps
+    host_bytes: int = SPARSE_ADAM_BYTES  # host memory per table element, to skip what cannot fit
 
     def table_device(self, out_device):
         return out_device if self.on_gpu else torch.device("cpu")
@@ -261,7 +268,7 @@ def _hostembed_table(rows, cfg, out_device):
 
 
 TORCH_ADAM = Contender(1, "torch_adam", "torch nn.Embedding (CPU) + torch.optim.Adam (dense)",
-                       _torch_table, torch.optim.Adam, dense=True)
+                       _torch_table, torch.optim.Adam, dense=True, host_bytes=DENSE_ADAM_BYTES)
 TORCH_SPARSE = Contender(2, "torch_sparse_cpu", "torch nn.Embedding(sparse=True) (CPU) + torch.optim.SparseAdam",
                          _torch_sparse_table, torch.optim.SparseAdam)
 TORCH_GPU = Contender(3, "torch_sparse_gpu", "torch nn.Embedding(sparse=True) (GPU) + torch.optim.SparseAdam",
@@ -270,8 +277,14 @@ HOSTEMBED = Contender(4, "hostembed", "hostembed.Embedding + hostembed.SparseAda
                       _hostembed_table, hostembed.SparseAdam)
 HOSTEMBED_FUSED = Contender(5, "hostembed_fused", "hostembed.Embedding + hostembed.SparseAdam(fused=True)",
                             _hostembed_table, functools.partial(hostembed.SparseAdam, fused=True))
-CONTENDERS = (TORCH_ADAM, TORCH_SPARSE, TORCH_GPU, HOSTEMBED, HOSTEMBED_FUSED)
+TORCH_ADAM_FUSED = Contender(6, "torch_adam_fused", "torch nn.Embedding (CPU) + torch.optim.Adam(fused=True) (dense)",
+                             _torch_table, functools.partial(torch.optim.Adam, fused=True), dense=True,
+                             host_bytes=DENSE_ADAM_BYTES)
+SWAP_ADAM = Contender(7, "hostembed_adam", "hostembed.Embedding + torch.optim.Adam (dense, plain swap)",
+                      _hostembed_table, torch.optim.Adam, dense=True)
+CONTENDERS = (TORCH_ADAM, TORCH_SPARSE, TORCH_GPU, HOSTEMBED, HOSTEMBED_FUSED, TORCH_ADAM_FUSED, SWAP_ADAM)
 AGREEING = (TORCH_SPARSE, TORCH_GPU, HOSTEMBED, HOSTEMBED_FUSED)  # must follow the same loss curve
+DENSE = (TORCH_ADAM, TORCH_ADAM_FUSED, SWAP_ADAM)                # and these the same one of dense Adam
 
 
 def build(contender, cfg, out_device):
@@ -295,11 +308,12 @@ def _host_shortfall(need, what):
 def skip_reason(contender, cfg, out_device) -> Optional[str]:
     """Why the contender cannot run here, judged just before it would (None: it runs)."""
     elements = (cfg.users + cfg.items) * cfg.dim
+    if contender.dense and cfg.adam_steps == 0:
+        return "--adam-steps 0"
     if contender.dense:
-        if cfg.adam_steps == 0:
-            return "--adam-steps 0"
-        return _host_shortfall(DENSE_ADAM_BYTES * elements,
-                               f"the tables with dense gradients and Adam state ({DENSE_ADAM_BYTES} bytes/element)")
+        gradients = " and dense gradients" if contender.host_bytes > SPARSE_ADAM_BYTES else ""
+        return _host_shortfall(contender.host_bytes * elements,
+                               f"the tables with Adam state{gradients} ({contender.host_bytes} bytes/element)")
     if not contender.on_gpu:
         return _host_shortfall(SPARSE_ADAM_BYTES * elements,
                                f"the tables with SparseAdam state ({SPARSE_ADAM_BYTES} bytes/element)")
@@ -447,12 +461,13 @@ def check_same_start(contender, initial, reference):
              "different weights, so their comparison would mean nothing")
 
 
-def check_agreement(results, finals):
-    """Fails loudly unless contenders 2-5 that ran follow the same loss curve
-    and end with the same trained weights (to the tolerances above)."""
-    ran = [c for c in AGREEING if "losses" in results[c.key]]
+def check_agreement(results, finals, group):
+    """Fails loudly unless the contenders of `group` that ran follow the same
+    loss curve and end with the same trained weights (to the tolerances above)."""
+    ran = [c for c in group if "losses" in results[c.key]]
     if len(ran) < 2:
-        return {"checked": False, "reason": "fewer than two of contenders 2-5 ran"}
+        numbers = ", ".join(str(c.number) for c in group)
+        return {"checked": False, "reason": f"fewer than two of contenders {numbers} ran"}
     ref = ran[0]
     ref_losses = np.array(results[ref.key]["losses"])
     summary = {"checked": True, "reference": ref.key, "loss_rtol": LOSS_RTOL,
@@ -519,16 +534,17 @@ def print_report(cfg, report, json_path, plots, plots_note):
                        for c in CONTENDERS if "median_ms" in results[c.key]) or "no contender ran"
     print(f"\nDense part alone (MLP, loss and Adam on fixed embedding outputs): {fmt_ms(floor)} ms/step, a floor "
           f"no table can beat. Step time beyond it, ms: {beyond}.")
-    agree = report["agreement"]
-    if agree["checked"]:
+    for agree in (report["agreement"], report["dense_agreement"]):
+        if not agree["checked"]:
+            print(f"Agreement: not checked ({agree['reason']}).")
+            continue
         ref = results[agree["reference"]]
         for key, a in agree["contenders"].items():
             print(f"Agreement: {results[key]['number']}. matches {ref['number']}.'s loss at all {agree['steps']} "
                   f"steps (max relative difference {a['loss_max_rel_diff']:.2g}, tolerance {LOSS_RTOL:g}); "
                   f"trained weights max abs difference {a['weight_max_abs_diff']:.2g}.")
-    else:
-        print(f"Agreement: not checked ({agree['reason']}).")
-    print(f"{TORCH_ADAM.number}. uses dense Adam, a different optimizer: its loss is reported, not compared.")
+    print("1., 6. and 7. use dense Adam, a different optimizer from 2.-5.'s SparseAdam: they are compared with "
+          "each other.")
     others = report["other_load"]["cpu_fraction_used_by_others"]
     if others is not None and others > 0.05:
         print(f"Other processes used {others:.0%} of the CPUs during the run: timings are noisy, rerun on an idle machine.")
@@ -562,7 +578,8 @@ def plot_ms_per_step(cfg, results, floor_ms):
 def plot_losses(cfg, results, agreement):
     ran = [c for c in CONTENDERS if "losses" in results[c.key]]
     styles = {1: ("tab:red", "-", "o"), 2: ("tab:orange", "-", None), 3: ("tab:green", "--", None),
-              4: ("tab:blue", ":", None), 5: ("tab:purple", "-.", None)}
+              4: ("tab:blue", ":", None), 5: ("tab:purple", "-.", None), 6: ("tab:brown", "-", "s"),
+              7: ("tab:cyan", ":", "^")}
 
     def draw(plt):
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(2, 1))
@@ -607,10 +624,12 @@ def run_contenders(cfg, out_device, batches, peak):
     # slow dense Adam: a wrong answer fails fast.
     for c in AGREEING:
         run(c)
-    agreement = check_agreement(results, finals)
-    run(TORCH_ADAM)
+    agreement = check_agreement(results, finals, AGREEING)
+    for c in DENSE:
+        run(c)
+    dense_agreement = check_agreement(results, finals, DENSE)
     add_speedups(results)
-    return results, agreement
+    return results, agreement, dense_agreement
 
 
 # --- main --------------------------------------------------------------------------------
@@ -629,7 +648,7 @@ def main(argv=None):
     log(f"generating {count} batches of {cfg.batch:,} interactions")
     batches = make_batches(cfg, count)
 
-    results, agreement = run_contenders(cfg, out_device, batches, peak)
+    results, agreement, dense_agreement = run_contenders(cfg, out_device, batches, peak)
     floor = dense_floor(cfg, out_device, batches)
 
     report = {
@@ -641,6 +660,7 @@ def main(argv=None):
         "contenders": {c.key: results[c.key] for c in CONTENDERS},
         "dense_floor": floor,
         "agreement": agreement,
+        "dense_agreement": dense_agreement,
         "other_load": {"loadavg_before": other_load.loadavg_before,
                        "cpu_fraction_used_by_others": other_load.fraction()},
     }
