@@ -75,7 +75,7 @@ he_status he_gather(const he_table *table, const he_ids *ids, void *out)
     /* ~16 KiB of output per chunk keeps the hand-out cost negligible. */
     int64_t row_bytes = (int64_t)job.row_bytes;
     int64_t grain = row_bytes > 0 ? 16384 / row_bytes + 1 : ids->count;
-    st = he_parallel_for(ids->count, grain, gather_range, &job);
+    st = he_parallel_for_bytes(ids->count, grain, 2 * ids->count * row_bytes, gather_range, &job);
     if (st != HE_OK)
         return st;
     int64_t bad = atomic_load(&job.first_bad);

@@ -122,7 +122,10 @@ static he_status reduce(const he_dedup *d, const void *grad, int64_t dim, const 
     int round_half = opts->round_sums && (opts->dtype == HE_F16 || opts->dtype == HE_BF16);
     reduce_job job = {d, grad, dim, skip_at, opts->scale_grad_by_freq, opts->dtype, opts->dtype == HE_F64,
                       round_half, opts->bag_of, opts->row_weights, out_values, out_indices, update};
-    st = he_parallel_for(d->num_unique, grain, reduce_range, &job);
+    /* Every position's gradient row read, every unique row's sum written
+     * (or, fused, its row and state updated: counted as three rows). */
+    int64_t bytes = (d->count + 3 * d->num_unique) * dim * (int64_t)he_dtype_size(opts->dtype);
+    st = he_parallel_for_bytes(d->num_unique, grain, bytes, reduce_range, &job);
     if (st == HE_OK && out_count)
         *out_count = d->num_unique - (skip_at >= 0);
     return st;

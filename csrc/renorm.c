@@ -117,5 +117,6 @@ he_status he_renorm(const he_table *table, const he_dedup *d, double max_norm, d
         return HE_OK; /* every norm is 0 */
     renorm_job job = {table, d, max_norm, norm_type};
     int64_t grain = 8192 / table->dim + 1;
-    return he_parallel_for(d->num_unique, grain, renorm_range, &job);
+    int64_t bytes = 2 * d->num_unique * table->dim * (int64_t)he_table_elem(table);
+    return he_parallel_for_bytes(d->num_unique, grain, bytes, renorm_range, &job);
 }

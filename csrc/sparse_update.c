@@ -123,7 +123,9 @@ static he_status update_rows(const update_ctx *u, const int64_t *indices, const 
     if (dim == 0)
         return HE_OK; /* nothing to update (the indices were checked) */
     rows_job job = {u, indices, values, values_dtype};
-    return he_parallel_for(nnz, 4096 / dim + 1, rows_range, &job);
+    /* Each row: its gradient read, the weight and every state read and written. */
+    int64_t bytes = nnz * dim * (int64_t)(he_dtype_size(values_dtype) + 2 * (1 + u->rule->num_state) * 4);
+    return he_parallel_for_bytes(nnz, 4096 / dim + 1, bytes, rows_range, &job);
 }
 
 /* The fused backward's sink: the rule's row function on the sum's column

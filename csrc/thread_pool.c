@@ -173,6 +173,11 @@ he_status he_parallel_for(int64_t n, int64_t grain, he_range_fn fn, void *ctx)
     return HE_OK;
 }
 
+he_status he_parallel_for_bytes(int64_t n, int64_t grain, int64_t bytes, he_range_fn fn, void *ctx)
+{
+    return he_parallel_for(n, bytes < HE_PARALLEL_MIN_BYTES ? n : grain, fn, ctx);
+}
+
 int he_get_num_threads(void)
 {
     pthread_mutex_lock(&job_lock);

@@ -90,6 +90,12 @@ def float_rows(tensor: Tensor, count: int, dim: int, device, dtype=torch.float32
     return tensor.to(device=device, dtype=dtype).contiguous().reshape(count, dim)
 
 
+# Smaller buffers come from torch's allocator: malloc serves them from its
+# heap without page faults, faster than a HostBuffer (1 us against 5 for a
+# 128 KiB lookup output).
+SCRATCH_MIN_BYTES = 256 << 10
+
+
 def scratch(*shape: int, dtype=torch.float32) -> Tensor:
     """An uninitialised CPU tensor of dtype from the core's scratch cache.
 
@@ -100,7 +106,7 @@ def scratch(*shape: int, dtype=torch.float32) -> Tensor:
     numel = 1
     for n in shape:
         numel *= n
-    if numel == 0:
+    if numel * dtype.itemsize < SCRATCH_MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
     buf = _C.HostBuffer(numel * dtype.itemsize, scratch=True)
     # The buffer may be larger (size classes): the prefix, as a tensor of

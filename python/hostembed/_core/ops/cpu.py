@@ -201,7 +201,13 @@ class _LookupEager(torch.autograd.Function):
 def embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
     """weight[ids] on the CPU, differentiable (see lookup)."""
     args = (weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
-    return lookup.op(*args) if torch.compiler.is_compiling() else _LookupEager.apply(*args)
+    if torch.compiler.is_compiling():
+        return lookup.op(*args)
+    if not (weight.requires_grad and torch.is_grad_enabled()):
+        # Nothing to record: the autograd Function's own cost (about 15 us
+        # a call) would be most of a small lookup's.
+        return lookup_rows(weight, ids, max_norm, norm_type)[0]
+    return _LookupEager.apply(*args)
 
 
 @torch.compiler.disable

@@ -10,7 +10,9 @@ def lookup(module, ids, scale_grad_by_freq=None):
     if scale_grad_by_freq is None:
         scale_grad_by_freq = module.scale_grad_by_freq
     lookup_fn = cpu_ops.fused_embedding_lookup if module._table.fused else cpu_ops.embedding_lookup
-    out = lookup_fn(module.weight, prepare_ids(ids), padding_of(module), max_norm_of(module), float(module.norm_type),
+    # _parameters, not module.weight: forward checked the weight already
+    # (the attribute's own checks cost as much as a small gather).
+    out = lookup_fn(module._parameters["weight"], prepare_ids(ids), padding_of(module), max_norm_of(module), float(module.norm_type),
                     scale_grad_by_freq, module._sparse_gradient())
     if module.output_device.type != "cpu":
         out = out.to(module.output_device)
