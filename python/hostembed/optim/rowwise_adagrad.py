@@ -12,8 +12,8 @@ from .base import HostStep, non_negative, owned_state, scalar_dtype
 
 class RowWiseAdagrad(HostStep, torch.optim.Optimizer):
     """Adagrad with one accumulator per row (FBGEMM's EXACT_ROWWISE_ADAGRAD,
-    without weight decay), for hostembed tables only: its state is 4 bytes
-    a row instead of Adam's 8 bytes an element. On the gradient's rows:
+    without weight decay) for hostembed tables: its state is 4 bytes a row
+    instead of Adam's 8 bytes an element. On the gradient's rows:
 
         row_sum += mean(g * g over the row)
         w       -= lr / (sqrt(row_sum) + eps) * g
