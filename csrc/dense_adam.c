@@ -174,5 +174,7 @@ he_status he_dense_adam(const he_dense_adam_params *hp, const he_table *weight, 
     job.indices = indices;
     job.values = values;
     job.nnz = nnz;
-    return he_parallel_for(weight->num_rows, 16384 / weight->dim + 1, rows_range, &job);
+    /* w, m, v (and vmax) read and written. */
+    int64_t bytes = weight->num_rows * weight->dim * (int64_t)he_table_elem(weight) * (hp->amsgrad ? 8 : 6);
+    return he_parallel_for_bytes(weight->num_rows, 16384 / weight->dim + 1, bytes, rows_range, &job);
 }

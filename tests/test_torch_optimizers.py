@@ -317,3 +317,84 @@ def test_the_ctr_benchmark_checks_and_reports_every_route(tmp_path, monkeypatch)
         assert result["median_ms"] > 0 and 0 < result["auc"] < 1, name
     # The exact routes were checked against the float64 run before timing.
     assert report["checks"]["swap_adam_error_vs_float64"] <= 2 * report["checks"]["torch_adam_error_vs_float64"] + 1e-9
+
+
+def test_a_step_that_raised_neither_loses_nor_replays_the_hidden_gradient(monkeypatch):
+    """torch's step raising after the pre-hook hid a table's gradient: a
+    retried step (no new backward) applies it once; after a new backward,
+    the new gradient is the one applied."""
+    data = batches(3)
+    ref, ours = twins()
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref, ours)]
+    train(ref, opts[0], data[:1])
+    train(ref, opts[0], data[2:3])
+    import torch.optim.adam as adam_module
+    real = adam_module.adam
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("a failing step")
+    monkeypatch.setattr(adam_module, "adam", fails)
+    ids, target = data[0]
+    opts[1].zero_grad()
+    (ours(ids) - target).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="a failing step"):
+        opts[1].step()
+    monkeypatch.setattr(adam_module, "adam", real)
+    opts[1].step()  # the retry: the hidden gradient is back, and applied once
+    ids, target = data[2]
+    opts[1].zero_grad()
+    (ours(ids) - target).pow(2).mean().backward()
+    opts[1].step()
+    ref64 = twins(torch.float64)[0]
+    opt64 = torch.optim.Adam(ref64.parameters(), lr=1e-2)
+    train(ref64, opt64, data[:1])
+    train(ref64, opt64, data[2:3])
+    assert_adam_bound(ours.emb.weight.detach(), ref.emb.weight.detach(), ref64.emb.weight.detach(), "weight")
+    assert opts[1].state[ours.emb.weight]["step"].item() == 2
+
+
+def test_a_bad_table_gradient_is_refused_before_torch_steps_anything():
+    _, ours = twins()
+    opt = torch.optim.Adam(ours.parameters(), lr=1e-2)
+    train(ours, opt, batches(1))
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    steps = {id(p): opt.state[p]["step"].clone() for p in ours.parameters()}
+    opt.zero_grad()
+    (ours(batches(1)[0][0]) ** 2).mean().backward()
+    # A hand-made COO gradient listing elements (sparse_dim=2), as torch would update element-wise.
+    ours.emb.weight.grad = torch.sparse_coo_tensor(torch.tensor([[1], [2]]), torch.ones(1), (N, D))
+    with pytest.raises(RuntimeError, match="row-sparse"):
+        opt.step()
+    assert all(torch.equal(ours.state_dict()[k], v) for k, v in before.items())
+    assert all(torch.equal(opt.state[p]["step"], steps[id(p)]) for p in ours.parameters())
+
+
+def test_grad_scaler_with_fused_adam_unscales_the_table_and_skips_inf_steps():
+    """torch's GradScaler hands a fused Adam the scale and the inf flag as
+    attributes: the table's step divides by the one and skips on the other,
+    as torch's fused kernel does with a dense gradient."""
+    ref, ours = twins()
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2, fused=True) for m in (ref, ours)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) for _ in range(2)]
+    for step, (ids, target) in enumerate(batches(4)):
+        for model, opt, scaler in zip((ref, ours), opts, scalers):
+            opt.zero_grad()
+            loss = (model(ids) - target).pow(2).mean() * (1e38 if step == 1 else 1.0)  # step 1 overflows
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert torch.isfinite(ours.emb.weight).all()
+    assert opts[1].state[ours.emb.weight]["step"].item() == opts[0].state[ref.emb.weight]["step"].item() == 3
+    ref64 = twins(torch.float64)[0]
+    opt64 = torch.optim.Adam(ref64.parameters(), lr=1e-2)
+    train(ref64, opt64, [b for i, b in enumerate(batches(4)) if i != 1])
+    assert_adam_bound(ours.emb.weight.detach(), ref.emb.weight.detach(), ref64.emb.weight.detach(), "weight")
+
+
+def test_a_traced_lookup_under_no_grad_reads_the_table():
+    _, ours = twins()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        traced = torch.jit.trace(ours.emb, ids)
+        other = torch.tensor([[7, 8, 9, 10, 11]])
+        assert torch.equal(traced(other), ours.emb(other))

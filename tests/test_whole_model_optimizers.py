@@ -212,3 +212,34 @@ def test_hostembed_adam_runs_closures_and_its_state_loads_into_torchs_adam():
         o.step()
     for key, value in model.state_dict().items():
         assert torch.equal(mirror.state_dict()[key], value), key
+
+
+def test_hostembed_adam_takes_param_groups_of_generators_and_named_parameters():
+    torch.manual_seed(0)
+    model = Model()
+    opt = hostembed.Adam([{"params": model.emb.parameters()}, {"params": model.bag.parameters()},
+                          {"params": model.head.parameters(), "lr": 1e-3}], lr=1e-2)
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1, 4]
+    named = hostembed.AdamW(model.named_parameters(), lr=1e-2)
+    assert len(named.param_groups[0]["params"]) == 6
+    before = copy.deepcopy(model.state_dict())
+    train(model, [opt], steps=1)
+    assert all(not torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_hostembed_adam_refuses_half_tables_and_runs_hooks_once():
+    with pytest.raises(ValueError, match="steps float32 and float64 tables"):
+        hostembed.Adam(hostembed.Embedding(10, 4, dtype=torch.bfloat16).parameters())
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    torch.optim.Adam(nn.Linear(2, 2).parameters())  # wraps torch's Adam.step in its hooks
+    model = Model()
+    opt = hostembed.Adam(model.parameters(), lr=1e-2)
+    calls = []
+    handles = [register_optimizer_step_pre_hook(lambda *a: calls.append("pre")),
+               register_optimizer_step_post_hook(lambda *a: calls.append("post"))]
+    try:
+        train(model, [opt], steps=1)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == ["pre", "post"]

@@ -24,7 +24,18 @@ from .base import HostStep, owned_state, refuse_differentiable, scalar_dtype
 def table_step(optimizer, p, table, group, indices, values):
     """torch's Adam/AdamW step of `p` (a host table) from the rows of its
     gradient (indices, values), every other row's gradient zero, with the
-    state in optimizer.state[p] as torch keeps it."""
+    state in optimizer.state[p] as torch keeps it.
+
+    Under a GradScaler, an optimizer whose step takes the scaling (fused
+    Adam) carries grad_scale and found_inf for the step: as torch's fused
+    kernel does, the step is skipped, its count too, when an inf was found,
+    and the gradient divided by grad_scale otherwise."""
+    found_inf = getattr(optimizer, "found_inf", None)
+    if found_inf is not None and float(found_inf) != 0:
+        return
+    grad_scale = getattr(optimizer, "grad_scale", None)
+    if grad_scale is not None:
+        values = values / grad_scale.to(device=values.device, dtype=values.dtype)
     amsgrad = bool(group["amsgrad"])
     state = optimizer.state[p]
     if len(state) == 0:
@@ -83,6 +94,11 @@ class _TableAdam(HostStep):
 
     def _check_host_group(self, group, where):
         refuse_differentiable(group, where, self._name)
+        for p in group["params"]:
+            table = table_of(p) if isinstance(p, torch.Tensor) else None  # a loaded group lists ids
+            if table is not None and table.dtype not in (torch.float32, torch.float64):
+                raise ValueError(f"{where}: a {table.dtype} hostembed table: {self._name} steps float32 and float64 "
+                                 "tables (torch.optim.Adam itself takes half tables, through a dense gradient)")
         if group.get("capturable"):
             raise ValueError(f"{where}: capturable=True does not take hostembed tables (the core updates them on "
                              "the CPU); leave capturable unset")
@@ -92,9 +108,17 @@ class _TableAdam(HostStep):
 
 
 def _params_list(params):
+    """(params as torch takes them, each group's iterable read once into a
+    list: a generator cannot be read twice; the parameters themselves, for
+    the fused check, unwrapped from named_parameters' (name, p) pairs)."""
     params = list(params)
-    flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
-    return params, flat
+    if params and isinstance(params[0], dict):
+        params = [dict(group, params=[group["params"]] if isinstance(group["params"], torch.Tensor)
+                       else list(group["params"])) for group in params]
+        flat = [p for group in params for p in group["params"]]
+    else:
+        flat = params
+    return params, [p[1] if isinstance(p, tuple) else p for p in flat]
 
 
 class Adam(_TableAdam, torch.optim.Adam):
@@ -110,7 +134,7 @@ class Adam(_TableAdam, torch.optim.Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *, foreach=None,
                  maximize=False, capturable=False, differentiable=False, fused=None, **kwargs):
         params, flat = _params_list(params)
-        if fused is None and not foreach and not differentiable and not capturable:
+        if fused is None and foreach is None and not differentiable and not capturable:
             fused = _fused_by_default(flat)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
@@ -125,7 +149,7 @@ class AdamW(_TableAdam, torch.optim.AdamW):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
         params, flat = _params_list(params)
-        if fused is None and not foreach and not differentiable and not capturable:
+        if fused is None and foreach is None and not differentiable and not capturable:
             fused = _fused_by_default(flat)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,

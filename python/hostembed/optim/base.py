@@ -138,7 +138,12 @@ class HostStep:
         self._host_update(p, table, group, torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
 
     def _torch_step(self):
-        super().step()
+        # torch's step without the hooks torch wraps around it: they ran
+        # around this optimizer's own step() already.
+        step = super().step.__func__
+        if getattr(step, "hooked", False):  # torch's profile_hook_step wrapper
+            step = step.__wrapped__
+        step(self)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)

@@ -22,7 +22,10 @@ optimizer gets what it can take, with torch's results:
 
 Done with torch's global optimizer step hooks, registered when hostembed
 is imported: no torch class is patched. The pre-hook runs before step()
-(and before its closure), the post-hook after step() returned.
+(and before its closure), the post-hook after step() returned. torch runs
+an optimizer's own hooks after the global pre-hooks and before the global
+post-hooks, so those see an Adam-routed table with its gradient hidden and
+not yet stepped.
 """
 import warnings
 import weakref
@@ -32,7 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .._core.table import table_of
 from .adam import table_step
-from .base import HostStep
+from .base import HostStep, check_row_sparse
 from .sparse_adam import SparseAdam
 
 SPARSE, ADAM, DENSE = "sparse", "adam", "dense"
@@ -43,7 +46,7 @@ SPARSE, ADAM, DENSE = "sparse", "adam", "dense"
 _taken = weakref.WeakKeyDictionary()
 
 
-def route(optimizer, group, table, closure=None, grad_scaling=False) -> str:
+def route(optimizer, group, table, closure=None) -> str:
     """How `optimizer` steps `table` of param group `group` (module docstring)."""
     kind = type(optimizer)
     if isinstance(optimizer, (HostStep, SparseAdam)) or kind is torch.optim.SparseAdam or \
@@ -57,8 +60,7 @@ def route(optimizer, group, table, closure=None, grad_scaling=False) -> str:
     # The core's pass can neither run a closure's backward between our
     # hooks' work nor give differentiable or capturable steps.
     if kind in (torch.optim.Adam, torch.optim.AdamW) and table.dtype in (torch.float32, torch.float64) \
-            and closure is None and not grad_scaling and not group.get("differentiable") \
-            and not group.get("capturable"):
+            and closure is None and not group.get("differentiable") and not group.get("capturable"):
         return ADAM
     return DENSE
 
@@ -67,15 +69,22 @@ def _before_step(optimizer, args, kwargs):
     if isinstance(optimizer, (HostStep, SparseAdam)):
         return  # hostembed's own take host gradients as they are
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer itself
-    grad_scaling = kwargs.get("grad_scale") is not None or kwargs.get("found_inf") is not None
+    # A step that raised never reached the post-hook: its hidden gradients
+    # go back where nothing newer replaced them (a retried step), and are
+    # never applied later.
+    for p, _, _, grad in _taken.pop(optimizer, ()):
+        if p.grad is None:
+            p.grad = grad
     taken = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             table = table_of(p)
             if table is None:
                 continue
-            way = route(optimizer, group, table, closure, grad_scaling)
+            way = route(optimizer, group, table, closure)
             if way == ADAM and p.grad is not None and p.grad.is_sparse:
+                # Refused here, before torch steps any other parameter.
+                check_row_sparse(p, p.grad, type(optimizer).__name__)
                 taken.append((p, table, group, p.grad))
             elif way == DENSE:
                 _make_dense(optimizer, p, table)

@@ -203,7 +203,7 @@ def embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_grad_b
     args = (weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
     if torch.compiler.is_compiling():
         return lookup.op(*args)
-    if not (weight.requires_grad and torch.is_grad_enabled()):
+    if not (weight.requires_grad and torch.is_grad_enabled()) and not torch.jit.is_tracing():
         # Nothing to record: the autograd Function's own cost (about 15 us
         # a call) would be most of a small lookup's.
         return lookup_rows(weight, ids, max_norm, norm_type)[0]
