@@ -10,6 +10,7 @@
 #include "dense_adam.h"
 #include "gather.h"
 #include "grad_reduce.h"
+#include "ids.h"
 #include "renorm.h"
 #include "optimizers.h"
 #include "sparse_update.h"
@@ -126,6 +127,28 @@ static PyObject *heb_gather(PyObject *mod, PyObject *args, PyObject *kwds)
     he_status st;
     Py_BEGIN_ALLOW_THREADS
     st = he_gather(&rows, &view, out.ptr);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
+/* The range check of a lookup, alone: for a pooling that torch's
+ * embedding_bag does straight from the table. */
+static PyObject *heb_check_ids(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"ids", "count", "ids_int64", "num_rows", NULL};
+    HEB_ADDRESS(ids);
+    long long count, num_rows;
+    int ids_int64;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LpL:check_ids", kwlist, heb_address_converter, &ids, &count,
+                                     &ids_int64, &num_rows))
+        return NULL;
+    he_ids view = heb_make_ids(ids.ptr, count, ids_int64);
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_check_ids(&view, num_rows);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -351,6 +374,9 @@ static PyObject *heb_dense_adam(PyObject *mod, PyObject *args, PyObject *kwds)
 }
 
 static PyMethodDef heb_cpu_methods[] = {
+    {"check_ids", HEB_KW_FUNC(heb_check_ids), METH_VARARGS | METH_KEYWORDS,
+     "check_ids($module, /, *, ids, count, ids_int64, num_rows)\n--\n\n"
+     "IndexError naming the first of ids[:count] outside [0, num_rows), if any"},
     {"dense_adam", HEB_KW_FUNC(heb_dense_adam), METH_VARARGS | METH_KEYWORDS,
      "dense_adam($module, /, *, weight, state, num_rows, dim, dtype, indices, values, nnz, lr, beta1, beta2, eps, "
      "weight_decay, step, decoupled, amsgrad, maximize)\n--\n\n"

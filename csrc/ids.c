@@ -34,3 +34,9 @@ int64_t he_first_out_of_range(const he_ids *ids, int64_t begin, int64_t end, int
     }
     return -1;
 }
+
+he_status he_check_ids(const he_ids *ids, int64_t num_rows)
+{
+    int64_t bad = he_first_out_of_range(ids, 0, ids->count, num_rows);
+    return bad < 0 ? HE_OK : he_fail_out_of_range(bad, he_id_at(ids, bad), num_rows);
+}

@@ -69,6 +69,15 @@ def lookup_rows(weight, ids, max_norm, norm_type):
     return out, dedup, table
 
 
+def checked_table(weight, ids, what):
+    """The HostTable of weight (host_table_of), after the core's range check
+    of CPU ids: IndexError naming the first id outside the table, as a
+    lookup gives."""
+    table = host_table_of(weight, what)
+    _C.check_ids(**cpu_ids_args(ids), num_rows=table.num_rows)
+    return table
+
+
 def gather_later(weight, ids):
     """(out, gather): gather() fills out with weight[ids] (no autograd, no
     max_norm). Embedding.prefetch runs gather on another thread; all the

@@ -1,8 +1,11 @@
 """The eager CPU path of hostembed.EmbeddingBag in "sum" and "mean" modes.
 
-Forward: the core sorts the ids once (the Dedup), reads each distinct row
-once, and torch's embedding_bag pools those rows (so outputs are torch's,
-bit for bit). Backward: each position's gradient is its bag's output
+Forward: the core checks the ids' range, and torch's embedding_bag pools
+the rows straight from the table (its threads over bags, no sort: outputs
+are torch's, bit for bit); the sort of the ids waits for backward, which
+needs it. With max_norm the core sorts the ids first, renorms each distinct
+row once, and embedding_bag pools the rows it read. Backward: each
+position's gradient is its bag's output
 gradient times its weight (per_sample_weights, or 1 / the bag's size for a
 mean, 0 outside every bag); the core sums those per id with the forward's
 sort, reading each bag's gradient row where the position points
@@ -29,10 +32,20 @@ class PooledLookup(torch.autograd.Function):
     def forward(ctx, weight, ids, offsets, per_sample_weights, mode, include_last_offset, padding_idx, max_norm,
                 norm_type, scale_grad_by_freq, sparse):
         num_rows = weight.shape[0]
-        dedup, unique, inverse = cpu_ops.dedup_ids(ids, num_rows)
-        rows, _, table = cpu_ops.lookup_rows(weight, unique, max_norm, norm_type)
-        out = F.embedding_bag(inverse, rows, offsets, mode=mode, per_sample_weights=per_sample_weights,
-                              include_last_offset=include_last_offset, padding_idx=padding_row(unique, padding_idx))
+        if max_norm is None:
+            table = cpu_ops.checked_table(weight, ids, "a bag lookup")
+            with table.lock:
+                table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
+                out = F.embedding_bag(ids, weight.detach(), offsets, mode=mode, per_sample_weights=per_sample_weights,
+                                      include_last_offset=include_last_offset,
+                                      padding_idx=padding_idx if padding_idx >= 0 else None)
+            dedup, inverse, rows = None, None, None
+        else:
+            dedup, unique, inverse = cpu_ops.dedup_ids(ids, num_rows)
+            rows, _, table = cpu_ops.lookup_rows(weight, unique, max_norm, norm_type)
+            out = F.embedding_bag(inverse, rows, offsets, mode=mode, per_sample_weights=per_sample_weights,
+                                  include_last_offset=include_last_offset,
+                                  padding_idx=padding_row(unique, padding_idx))
         ctx.table, ctx.dedup, ctx.table_shape = table, dedup, tuple(weight.shape)
         ctx.spec = (mode, include_last_offset, padding_idx, scale_grad_by_freq, sparse)
         ctx.save_for_backward(ids, offsets, per_sample_weights, inverse, rows)
@@ -53,7 +66,8 @@ class PooledLookup(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             # d out[b] / d w[p] = <grad_out[b], row of ids[p]>: 0 outside
             # every bag and at padding, as torch gives.
-            weights_grad = (grad_out.index_select(0, bag_of) * rows.index_select(0, inverse)).sum(1)
+            looked_up = ctx.table.tensor.index_select(0, ids) if rows is None else rows.index_select(0, inverse)
+            weights_grad = (grad_out.index_select(0, bag_of) * looked_up).sum(1)
             if counted is not None:
                 weights_grad.mul_(counted)
         grad = None
@@ -63,7 +77,7 @@ class PooledLookup(torch.autograd.Function):
                     ids, grad_out, padding_idx, scale_grad_by_freq, ctx.dedup, pooling))):
                 indices, values = cpu_ops.reduce_rows(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq,
                                                     ctx.dedup, pooling, rounded=True)
-                grad = common_ops.weight_grad(indices, values, num_rows, dim, sparse, rows.dtype)
+                grad = common_ops.weight_grad(indices, values, num_rows, dim, sparse, ctx.table.dtype)
         return (grad, None, None, weights_grad) + (None,) * 7
 
 
