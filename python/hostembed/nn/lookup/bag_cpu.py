@@ -5,10 +5,10 @@ the rows straight from the table (its threads over bags, no sort: outputs
 are torch's, bit for bit); the sort of the ids waits for backward, which
 needs it. With max_norm the core sorts the ids first, renorms each distinct
 row once, and embedding_bag pools the rows it read. Backward: each
-position's gradient is its bag's output
-gradient times its weight (per_sample_weights, or 1 / the bag's size for a
-mean, 0 outside every bag); the core sums those per id with the forward's
-sort, reading each bag's gradient row where the position points
+position's gradient is its bag's output gradient times its weight
+(per_sample_weights, or 1 / the bag's size for a mean, 0 outside every
+bag); the core sums those per id with one sort of the ids (the forward's,
+with max_norm), reading each bag's gradient row where the position points
 (he_reduce_opts.bag_of), so no per-position copy is made: one reduce
 straight into the table's row-sparse gradient, or into the fused update.
 (torch's own embedding_bag backward into the rows alone took 14.6 ms for
