@@ -29,19 +29,31 @@ typedef struct {
     he_dedup *d; /* d->num_rows: the range the ids were checked against */
 } heb_dedup;
 
-static PyObject *heb_dedup_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+/* The keyword arguments ids, count, ids_int64 and num_rows (a batch of ids
+ * and the table size it is checked against) that Dedup and check_ids take;
+ * format names the caller ("$O&LpL:Dedup"). 0 with an exception set. */
+static int heb_parse_batch(PyObject *args, PyObject *kwds, const char *format, he_ids *view, long long *num_rows)
 {
     static char *kwlist[] = {"ids", "count", "ids_int64", "num_rows", NULL};
     HEB_ADDRESS(ids);
-    long long count, num_rows;
+    long long count;
     int ids_int64;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LpL:Dedup", kwlist, heb_address_converter, &ids, &count,
-                                     &ids_int64, &num_rows))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, format, kwlist, heb_address_converter, &ids, &count, &ids_int64,
+                                     num_rows))
+        return 0;
+    *view = heb_make_ids(ids.ptr, count, ids_int64);
+    return 1;
+}
+
+static PyObject *heb_dedup_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    he_ids view;
+    long long num_rows;
+    if (!heb_parse_batch(args, kwds, "$O&LpL:Dedup", &view, &num_rows))
         return NULL;
     heb_dedup *self = (heb_dedup *)type->tp_alloc(type, 0);
     if (!self)
         return NULL;
-    he_ids view = heb_make_ids(ids.ptr, count, ids_int64);
     he_status st;
     Py_BEGIN_ALLOW_THREADS
     st = he_dedup_build(&view, num_rows, &self->d);
@@ -138,14 +150,10 @@ static PyObject *heb_gather(PyObject *mod, PyObject *args, PyObject *kwds)
 static PyObject *heb_check_ids(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
-    static char *kwlist[] = {"ids", "count", "ids_int64", "num_rows", NULL};
-    HEB_ADDRESS(ids);
-    long long count, num_rows;
-    int ids_int64;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LpL:check_ids", kwlist, heb_address_converter, &ids, &count,
-                                     &ids_int64, &num_rows))
+    he_ids view;
+    long long num_rows;
+    if (!heb_parse_batch(args, kwds, "$O&LpL:check_ids", &view, &num_rows))
         return NULL;
-    he_ids view = heb_make_ids(ids.ptr, count, ids_int64);
     he_status st;
     Py_BEGIN_ALLOW_THREADS
     st = he_check_ids(&view, num_rows);

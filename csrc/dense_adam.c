@@ -16,24 +16,8 @@ typedef struct dense_consts {
     int l2, decoupled, small_weight;
 } dense_consts;
 
-#define REAL float
-#define SFX _f32
-#define SQRT sqrtf
-#define FMA fmaf
-#include "dense_adam_row.inc"
-#undef REAL
-#undef SFX
-#undef SQRT
-#undef FMA
-#define REAL double
-#define SFX _f64
-#define SQRT sqrt
-#define FMA fma
-#include "dense_adam_row.inc"
-#undef REAL
-#undef SFX
-#undef SQRT
-#undef FMA
+#define HE_REAL_TEMPLATE "dense_adam_row.inc"
+#include "for_each_real.inc"
 
 typedef struct dense_job {
     dense_consts c;

@@ -7,24 +7,8 @@
 
 #include "simd.h"
 
-#define REAL float
-#define SFX _f32
-#define SQRT sqrtf
-#define FMA fmaf
-#include "optimizer_rows.inc"
-#undef REAL
-#undef SFX
-#undef SQRT
-#undef FMA
-#define REAL double
-#define SFX _f64
-#define SQRT sqrt
-#define FMA fma
-#include "optimizer_rows.inc"
-#undef REAL
-#undef SFX
-#undef SQRT
-#undef FMA
+#define HE_REAL_TEMPLATE "optimizer_rows.inc"
+#include "for_each_real.inc"
 
 he_adam_consts he_adam_make_consts(const he_adam_params *hp)
 {

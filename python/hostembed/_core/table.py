@@ -61,6 +61,11 @@ def table_by_handle(handle, what):
     return table
 
 
+def any_tables() -> bool:
+    """Whether any host table is alive in this process."""
+    return len(_tables) > 0
+
+
 def table_of(param):
     """The HostTable behind a parameter, or None for any other tensor."""
     return _tables.get(param)

@@ -33,7 +33,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .._core.table import table_of
+from .._core.table import any_tables, table_of
 from .adam import table_step
 from .base import HostStep, check_row_sparse
 from .sparse_adam import SparseAdam
@@ -66,8 +66,8 @@ def route(optimizer, group, table, closure=None) -> str:
 
 
 def _before_step(optimizer, args, kwargs):
-    if isinstance(optimizer, (HostStep, SparseAdam)):
-        return  # hostembed's own take host gradients as they are
+    if not any_tables() or isinstance(optimizer, (HostStep, SparseAdam)):
+        return  # no host table, or hostembed's own optimizer, which takes host gradients as they are
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer itself
     # A step that raised never reached the post-hook: its hidden gradients
     # go back where nothing newer replaced them (a retried step), and are
