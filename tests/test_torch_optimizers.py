@@ -398,3 +398,17 @@ def test_a_traced_lookup_under_no_grad_reads_the_table():
         traced = torch.jit.trace(ours.emb, ids)
         other = torch.tensor([[7, 8, 9, 10, 11]])
         assert torch.equal(traced(other), ours.emb(other))
+
+
+def test_the_dlrm_benchmark_checks_and_reports_every_contender(tmp_path, monkeypatch):
+    import json
+    import pathlib
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    import dlrm_step
+    out = tmp_path / "dlrm.json"
+    dlrm_step.main(["--rows-scale", "0.001", "--bags", "32", "--rounds", "2", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert {(r["optimizer"], r["ids"]) for r in report["results"]} == {
+        (o, i) for o in ("SGD", "Adagrad") for i in ("uniform", "zipf")}
+    assert all(r[k] > 0 for r in report["results"] for k in ("torch", "swap", "hostembed", "fused"))
+    assert max(report["max_abs_diff_vs_torch"].values()) <= 1e-4

@@ -1,0 +1,135 @@
+"""The embedding part of a DLRM-style step: four EmbeddingBag tables (2M,
+1M, 500K and 100K rows x 64, sum mode), bags of 4 ids, with the optimizers
+such models use (SGD, Adagrad), torch against hostembed, on uniform and on
+Zipf ids, at several batch sizes.
+
+One step: each table's forward, backward of a fixed output gradient,
+optimizer.step(), zero_grad(). Contenders, built from the same weights and
+timed in alternating rounds:
+  torch         nn.EmbeddingBag(sparse=True) + torch.optim.<opt>
+  swap          hostembed.EmbeddingBag + torch.optim.<opt> (the plain swap)
+  hostembed     hostembed.EmbeddingBag + hostembed.<opt>
+  fused         hostembed.<opt>(fused=True)
+Before timing, every contender's weights after the warm-up steps are
+checked against torch's (within 1e-4 of the table's largest weight: float
+rounding of the sums of a hot row's thousands of gradient rows, which
+torch adds in another order).
+
+    python benchmarks/dlrm_step.py
+    python benchmarks/dlrm_step.py --bags 128,2048 --optimizers SGD --ids uniform
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import RESULTS_DIR, OtherLoad, fail, log, machine_info, require_hostembed, usable_cpus, write_json  # noqa: E402
+
+hostembed = require_hostembed()
+
+ROWS = (2_000_000, 1_000_000, 500_000, 100_000)
+DIM, BAG = 64, 4
+LR = {"SGD": 0.1, "Adagrad": 0.01}
+
+
+def build(kind, opt_name, initial):
+    torch.manual_seed(0)
+    cls = torch.nn.EmbeddingBag if kind == "torch" else hostembed.EmbeddingBag
+    tables = [cls.from_pretrained(w, freeze=False, mode="sum", sparse=True) for w in initial]
+    params = [t.weight for t in tables]
+    if kind in ("torch", "swap"):
+        opt = getattr(torch.optim, opt_name)(params, lr=LR[opt_name])
+    else:
+        opt = getattr(hostembed, opt_name)(params, lr=LR[opt_name], fused=kind == "fused")
+    return tables, opt
+
+
+def step(tables, opt, ids, grad):
+    for table, x in zip(tables, ids):
+        table(x).backward(grad)
+    opt.step()
+    opt.zero_grad()
+
+
+def make_ids(rows, bags, skew, g):
+    if skew == "uniform":
+        return torch.randint(0, rows, (bags, BAG), generator=g)
+    ranks = torch.arange(1, rows + 1, dtype=torch.float64).pow(-1.05)
+    return torch.multinomial(ranks, bags * BAG, replacement=True, generator=g).view(bags, BAG)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bags", default="128,2048,16384", help="bags per table per step")
+    parser.add_argument("--optimizers", default="SGD,Adagrad")
+    parser.add_argument("--ids", default="uniform,zipf")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=usable_cpus())
+    parser.add_argument("--rows-scale", type=float, default=1.0, help="table sizes x this (a quick look: 0.01)")
+    parser.add_argument("--json", default=os.path.join(RESULTS_DIR, "dlrm_step.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    hostembed.set_num_threads(args.threads)
+    rows = [max(BAG, int(r * args.rows_scale)) for r in ROWS]
+    g = torch.Generator().manual_seed(0)
+    initial = [torch.randn(r, DIM, generator=g) for r in rows]
+    kinds = ("torch", "swap", "hostembed", "fused")
+    load = OtherLoad()
+    results = []
+    max_diff = {k: 0.0 for k in kinds}
+    for opt_name in args.optimizers.split(","):
+        built = {k: build(k, opt_name, initial) for k in kinds}
+        for skew in args.ids.split(","):
+            for bags in (int(b) for b in args.bags.split(",")):
+                batches = [[make_ids(r, bags, skew, g) for r in rows] for _ in range(args.warmup + args.rounds)]
+                grad = torch.randn(bags, DIM, generator=g)
+                times = {k: [] for k in kinds}
+                for i, ids in enumerate(batches):
+                    order = kinds if i % 2 == 0 else kinds[::-1]
+                    for k in order:
+                        t0 = time.perf_counter()
+                        step(*built[k], ids, grad)
+                        if i >= args.warmup:
+                            times[k].append(time.perf_counter() - t0)
+                    if i == args.warmup - 1:
+                        # torch adds a hot row's gradient rows to it one by
+                        # one, hostembed sums them first: equal to float
+                        # rounding of sums of hundreds of rows.
+                        ref = [t.weight.detach() for t in built["torch"][0]]
+                        for k in kinds[1:]:
+                            diff = max(((a.weight.detach() - b).abs().max() / b.abs().max().clamp(min=1)).item()
+                                       for a, b in zip(built[k][0], ref))
+                            max_diff[k] = max(max_diff[k], diff)
+                            if not diff <= 1e-4:
+                                fail(f"{k} {opt_name} is {diff:.3g} from torch's after the warm-up ({skew}, {bags} "
+                                     "bags)")
+                row = {"optimizer": opt_name, "ids": skew, "bags": bags,
+                       **{k: statistics.median(v) * 1e3 for k, v in times.items()}}
+                results.append(row)
+                log(f"{opt_name} {skew} {bags}: " + ", ".join(f"{k} {row[k]:.2f} ms" for k in kinds))
+        del built
+    other = load.fraction()
+    print(f"\nEmbedding part of a DLRM-style step, ms (median of {args.rounds} rounds): 4 EmbeddingBag tables "
+          f"{', '.join(f'{r:,}' for r in rows)} x {DIM}, bags of {BAG}, {args.threads} threads; other load "
+          f"{'n/a' if other is None else f'{other:.0%}'}\n")
+    print("| optimizer | ids | bags per table | torch | swap (torch's optimizer) | x torch | hostembed's optimizer | "
+          "x torch | fused | x torch |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        t = r["torch"]
+        print(f"| {r['optimizer']} | {r['ids']} | {r['bags']:,} | {t:.2f} | {r['swap']:.2f} | {t / r['swap']:.2f} | "
+              f"{r['hostembed']:.2f} | {t / r['hostembed']:.2f} | {r['fused']:.2f} | {t / r['fused']:.2f} |")
+    print("\nlargest weight difference from torch's after the warm-ups (of the table's largest weight): "
+          + ", ".join(f"{k} {v:.2g}" for k, v in max_diff.items() if k != "torch"))
+    write_json(args.json, {"args": vars(args), "machine": machine_info(), "other_load": other, "results": results,
+                           "max_abs_diff_vs_torch": max_diff})
+    log(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
