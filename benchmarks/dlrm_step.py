@@ -1,19 +1,25 @@
 """The embedding part of a DLRM-style step: four EmbeddingBag tables (2M,
 1M, 500K and 100K rows x 64, sum mode), bags of 4 ids, with the optimizers
-such models use (SGD, Adagrad), torch against hostembed, on uniform and on
-Zipf ids, at several batch sizes.
+such models use (SGD, Adagrad, row-wise Adagrad), torch against hostembed,
+on uniform and on Zipf ids, at several batch sizes.
 
-One step: each table's forward, backward of a fixed output gradient,
+One step: the tables' forward, backward of a fixed output gradient,
 optimizer.step(), zero_grad(). Contenders, built from the same weights and
 timed in alternating rounds:
-  torch         nn.EmbeddingBag(sparse=True) + torch.optim.<opt>
-  swap          hostembed.EmbeddingBag + torch.optim.<opt> (the plain swap)
-  hostembed     hostembed.EmbeddingBag + hostembed.<opt>
-  fused         hostembed.<opt>(fused=True)
+  torch         nn.EmbeddingBag(sparse=True) modules + torch.optim.<opt>
+                (torch has no row-wise Adagrad: its Adagrad stands in)
+  swap          hostembed.EmbeddingBag modules + torch.optim.<opt> (the
+                plain swap; not run for RowWiseAdagrad)
+  hostembed     hostembed.EmbeddingBag modules, one call each, +
+                hostembed.<opt>
+  collection    hostembed.EmbeddingBagCollection (one call for the four
+                tables) + hostembed.<opt>
+  fused         the collection + hostembed.<opt>(fused=True)
 Before timing, every contender's weights after the warm-up steps are
 checked against torch's (within 1e-4 of the table's largest weight: float
 rounding of the sums of a hot row's thousands of gradient rows, which
-torch adds in another order).
+torch adds in another order), and for row-wise Adagrad against the
+hostembed contender's.
 
     python benchmarks/dlrm_step.py
     python benchmarks/dlrm_step.py --bags 128,2048 --optimizers SGD --ids uniform
@@ -33,7 +39,8 @@ hostembed = require_hostembed()
 
 ROWS = (2_000_000, 1_000_000, 500_000, 100_000)
 DIM, BAG = 64, 4
-LR = {"SGD": 0.1, "Adagrad": 0.01}
+LR = {"SGD": 0.1, "Adagrad": 0.01, "RowWiseAdagrad": 0.01}
+KINDS = ("torch", "swap", "hostembed", "collection", "fused")
 
 
 def build(kind, opt_name, initial):
@@ -42,15 +49,20 @@ def build(kind, opt_name, initial):
     tables = [cls.from_pretrained(w, freeze=False, mode="sum", sparse=True) for w in initial]
     params = [t.weight for t in tables]
     if kind in ("torch", "swap"):
-        opt = getattr(torch.optim, opt_name)(params, lr=LR[opt_name])
+        opt = getattr(torch.optim, "Adagrad" if opt_name == "RowWiseAdagrad" else opt_name)(params, lr=LR[opt_name])
     else:
         opt = getattr(hostembed, opt_name)(params, lr=LR[opt_name], fused=kind == "fused")
+    if kind in ("collection", "fused"):
+        tables = hostembed.EmbeddingBagCollection(tables)
     return tables, opt
 
 
 def step(tables, opt, ids, grad):
-    for table, x in zip(tables, ids):
-        table(x).backward(grad)
+    if isinstance(tables, hostembed.EmbeddingBagCollection):
+        outs = tables(ids)
+    else:
+        outs = [table(x) for table, x in zip(tables, ids)]
+    torch.autograd.backward(outs, [grad] * len(outs))
     opt.step()
     opt.zero_grad()
 
@@ -65,7 +77,7 @@ def make_ids(rows, bags, skew, g):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bags", default="128,2048,16384", help="bags per table per step")
-    parser.add_argument("--optimizers", default="SGD,Adagrad")
+    parser.add_argument("--optimizers", default="SGD,Adagrad,RowWiseAdagrad")
     parser.add_argument("--ids", default="uniform,zipf")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=3)
@@ -78,11 +90,11 @@ def main(argv=None):
     rows = [max(BAG, int(r * args.rows_scale)) for r in ROWS]
     g = torch.Generator().manual_seed(0)
     initial = [torch.randn(r, DIM, generator=g) for r in rows]
-    kinds = ("torch", "swap", "hostembed", "fused")
     load = OtherLoad()
     results = []
-    max_diff = {k: 0.0 for k in kinds}
+    max_diff = {k: 0.0 for k in KINDS}
     for opt_name in args.optimizers.split(","):
+        kinds = tuple(k for k in KINDS if not (k == "swap" and opt_name == "RowWiseAdagrad"))
         built = {k: build(k, opt_name, initial) for k in kinds}
         for skew in args.ids.split(","):
             for bags in (int(b) for b in args.bags.split(",")):
@@ -100,8 +112,11 @@ def main(argv=None):
                         # torch adds a hot row's gradient rows to it one by
                         # one, hostembed sums them first: equal to float
                         # rounding of sums of hundreds of rows.
-                        ref = [t.weight.detach() for t in built["torch"][0]]
-                        for k in kinds[1:]:
+                        same = "hostembed" if opt_name == "RowWiseAdagrad" else "torch"
+                        ref = [t.weight.detach() for t in built[same][0]]
+                        for k in kinds:
+                            if k in ("torch", same):
+                                continue
                             diff = max(((a.weight.detach() - b).abs().max() / b.abs().max().clamp(min=1)).item()
                                        for a, b in zip(built[k][0], ref))
                             max_diff[k] = max(max_diff[k], diff)
@@ -109,7 +124,7 @@ def main(argv=None):
                                 fail(f"{k} {opt_name} is {diff:.3g} from torch's after the warm-up ({skew}, {bags} "
                                      "bags)")
                 row = {"optimizer": opt_name, "ids": skew, "bags": bags,
-                       **{k: statistics.median(v) * 1e3 for k, v in times.items()}}
+                       **{k: statistics.median(times[k]) * 1e3 if times.get(k) else None for k in KINDS}}
                 results.append(row)
                 log(f"{opt_name} {skew} {bags}: " + ", ".join(f"{k} {row[k]:.2f} ms" for k in kinds))
         del built
@@ -117,13 +132,16 @@ def main(argv=None):
     print(f"\nEmbedding part of a DLRM-style step, ms (median of {args.rounds} rounds): 4 EmbeddingBag tables "
           f"{', '.join(f'{r:,}' for r in rows)} x {DIM}, bags of {BAG}, {args.threads} threads; other load "
           f"{'n/a' if other is None else f'{other:.0%}'}\n")
-    print("| optimizer | ids | bags per table | torch | swap (torch's optimizer) | x torch | hostembed's optimizer | "
-          "x torch | fused | x torch |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("ms per step, and torch's time over each (x torch); torch's Adagrad stands in for row-wise Adagrad\n")
+    print("| optimizer | ids | bags per table | torch | swap (torch's optimizer) | x torch | hostembed, 4 calls | "
+          "x torch | collection | x torch | collection fused | x torch |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         t = r["torch"]
-        print(f"| {r['optimizer']} | {r['ids']} | {r['bags']:,} | {t:.2f} | {r['swap']:.2f} | {t / r['swap']:.2f} | "
-              f"{r['hostembed']:.2f} | {t / r['hostembed']:.2f} | {r['fused']:.2f} | {t / r['fused']:.2f} |")
+        cells = []
+        for k in KINDS[1:]:
+            cells += ["-", "-"] if r.get(k) is None else [f"{r[k]:.2f}", f"{t / r[k]:.2f}"]
+        print(f"| {r['optimizer']} | {r['ids']} | {r['bags']:,} | {t:.2f} | " + " | ".join(cells) + " |")
     print("\nlargest weight difference from torch's after the warm-ups (of the table's largest weight): "
           + ", ".join(f"{k} {v:.2g}" for k, v in max_diff.items() if k != "torch"))
     write_json(args.json, {"args": vars(args), "machine": machine_info(), "other_load": other, "results": results,

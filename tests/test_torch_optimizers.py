@@ -409,6 +409,7 @@ def test_the_dlrm_benchmark_checks_and_reports_every_contender(tmp_path, monkeyp
     dlrm_step.main(["--rows-scale", "0.001", "--bags", "32", "--rounds", "2", "--json", str(out)])
     report = json.loads(out.read_text())
     assert {(r["optimizer"], r["ids"]) for r in report["results"]} == {
-        (o, i) for o in ("SGD", "Adagrad") for i in ("uniform", "zipf")}
-    assert all(r[k] > 0 for r in report["results"] for k in ("torch", "swap", "hostembed", "fused"))
+        (o, i) for o in ("SGD", "Adagrad", "RowWiseAdagrad") for i in ("uniform", "zipf")}
+    assert all(r[k] > 0 for r in report["results"] for k in ("torch", "hostembed", "collection", "fused"))
+    assert all((r["swap"] is None) == (r["optimizer"] == "RowWiseAdagrad") for r in report["results"])
     assert max(report["max_abs_diff_vs_torch"].values()) <= 1e-4

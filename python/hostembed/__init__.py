@@ -5,8 +5,9 @@ optimizer state live in host memory, with a threaded SIMD C core doing the
 lookups and the updates in place.
 
 The package, by layer (each imports only from the layers below it):
-  nn/      Embedding, EmbeddingBag, replace_embeddings, clip_grad_norm_; the
-           lookup paths (nn/lookup/)
+  nn/      Embedding, EmbeddingBag, EmbeddingBagCollection,
+           replace_embeddings, clip_grad_norm_; the lookup paths
+           (nn/lookup/)
   optim/   SparseAdam, SGD, Adagrad, RowWiseAdagrad, Adam, AdamW; torch's own
            optimizers on host tables (optim/torch_optimizers.py)
   io/      table files, chunked loads, load checks, checkpoints (save, load)
@@ -21,13 +22,13 @@ from ._core.ids import IdDtypeError
 from ._core.ops import common as _common_ops
 from .io import checkpoint as _checkpoint
 from .io.checkpoint import load, save
-from .nn import Embedding, EmbeddingBag, clip_grad_norm_, replace_embeddings
+from .nn import Embedding, EmbeddingBag, EmbeddingBagCollection, clip_grad_norm_, replace_embeddings
 from .nn import clip as _clip, embedding as _embedding, embedding_bag as _embedding_bag, replace as _replace
 from . import optim as _optim
 from .optim import SGD, Adagrad, Adam, AdamW, RowWiseAdagrad, SparseAdam
 
 __version__ = "0.1.0"
-__all__ = ["Embedding", "EmbeddingBag", "SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "AdamW",
+__all__ = ["Embedding", "EmbeddingBag", "EmbeddingBagCollection", "SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "AdamW",
            "IdDtypeError", "save", "load", "replace_embeddings", "set_num_threads", "get_num_threads", "empty_cache",
            "cuda_available", "cuda_compiled", "clip_grad_norm_"]
 

@@ -49,6 +49,7 @@
 #include "ids.h"
 #include "renorm.h"
 #include "optimizers.h"
+#include "pool_bags.h"
 #include "sparse_adam.h"
 #include "sparse_update.h"
 #include "table.h"
@@ -2801,6 +2802,132 @@ static void test_cache_trains_bit_identically(void)
     group_end("cache_trains");
 }
 
+/* he_pool_bags over several float32 tables at once against a plain loop
+ * doing torch's float operations in position order (sum from zero, a
+ * weighted row by one fmaf without padding_idx, a mean divided once), for
+ * every thread count; bad ids and bad offsets fail before any output is
+ * written; he_bag_positions' bags and factors. */
+static void test_pool_bags(void)
+{
+    group_begin();
+    enum { T = 3 };
+    const int64_t rows[T] = {400, 90, 7}, dim[T] = {37, 8, 0}, count[T] = {900, 300, 20};
+    float *table[T], *out[T], *want[T], *weights[T];
+    int64_t *ids[T], *offsets[T], num_bags[T];
+    he_bag_batch b[T];
+    for (int t = 0; t < T; t++) {
+        table[t] = xmalloc((size_t)(rows[t] * dim[t] + 1) * sizeof(float));
+        fill_uniform(table[t], rows[t] * dim[t], -2.0, 2.0);
+        ids[t] = xmalloc((size_t)count[t] * sizeof(int64_t));
+        weights[t] = xmalloc((size_t)count[t] * sizeof(float));
+        offsets[t] = xmalloc((size_t)(count[t] + 1) * sizeof(int64_t));
+        for (int64_t i = 0; i < count[t]; i++) {
+            ids[t][i] = (int64_t)rng_below((uint64_t)rows[t]);
+            weights[t][i] = (float)((double)rng_below(1000) / 250.0 - 2.0);
+        }
+        /* Bags of 0-9 ids, some empty, the last ending before the ids do
+         * (positions past it are in no bag). */
+        int64_t n = 0, at = 0;
+        while (at < count[t] - 15) {
+            offsets[t][n++] = at;
+            at += (int64_t)rng_below(10);
+        }
+        num_bags[t] = n;
+        out[t] = xmalloc((size_t)(n * dim[t] + 1) * sizeof(float));
+        want[t] = xmalloc((size_t)(n * dim[t] + 1) * sizeof(float));
+        b[t] = (he_bag_batch){he_table_contiguous(table[t], (size_t)(rows[t] * dim[t]) * sizeof(float), rows[t],
+                                                  dim[t]),
+                              {ids[t], count[t], 1}, offsets[t], n, at, t == 0 ? weights[t] : NULL,
+                              t == 1 ? ids[t][3] : -1, t == 1, out[t]};
+    }
+    for (int t = 0; t < T; t++)
+        for (int64_t bag = 0; bag < num_bags[t]; bag++) {
+            int64_t first = offsets[t][bag], last = bag + 1 < num_bags[t] ? offsets[t][bag + 1] : b[t].end;
+            int64_t counted = 0;
+            for (int64_t j = 0; j < dim[t]; j++) {
+                float acc = 0.0f;
+                counted = 0;
+                for (int64_t p = first; p < last; p++) {
+                    if (ids[t][p] == b[t].padding_idx)
+                        continue;
+                    counted++;
+                    float x = table[t][ids[t][p] * dim[t] + j];
+                    acc = b[t].weights ? fmaf(weights[t][p], x, acc) : acc + x;
+                }
+                want[t][bag * dim[t] + j] = b[t].mean && counted ? acc / (float)counted : acc;
+            }
+        }
+    static const int threads[] = {1, 3, 8};
+    for (size_t k = 0; k < sizeof threads / sizeof *threads; k++) {
+        set_threads(threads[k]);
+        for (int t = 0; t < T; t++)
+            memset(out[t], 0xFF, (size_t)(num_bags[t] * dim[t]) * sizeof(float));
+        int64_t bad = 7;
+        CHECK_ST(he_pool_bags(b, T, &bad), HE_OK);
+        CHECK(bad == -1);
+        for (int t = 0; t < T; t++)
+            CHECK(memcmp(out[t], want[t], (size_t)(num_bags[t] * dim[t]) * sizeof(float)) == 0);
+    }
+    /* A bad id in the second table: IndexError naming it, no output written. */
+    int64_t saved = ids[1][5];
+    ids[1][5] = rows[1];
+    for (int t = 0; t < T; t++)
+        memset(out[t], 0xAB, (size_t)(num_bags[t] * dim[t]) * sizeof(float));
+    int64_t bad = -1;
+    CHECK_ST(he_pool_bags(b, T, &bad), HE_ERR_INDEX);
+    CHECK(bad == 1);
+    CHECK_MSG("table 1 of 3");
+    CHECK_MSG("position 5");
+    for (int t = 0; t < T; t++)
+        for (size_t i = 0; i < (size_t)(num_bags[t] * dim[t]) * sizeof(float); i++)
+            CHECK(((unsigned char *)out[t])[i] == 0xAB);
+    ids[1][5] = saved;
+    /* An id past the last bag is in no bag: never read, never checked. */
+    ids[1][count[1] - 1] = -5;
+    CHECK_ST(he_pool_bags(&b[1], 1, NULL), HE_OK);
+    /* Offsets that decrease, or pass the end. */
+    int64_t keep = offsets[0][2];
+    offsets[0][2] = offsets[0][1] - 1;
+    CHECK_ST(he_pool_bags(b, T, NULL), HE_ERR_VALUE);
+    CHECK_MSG("never decrease");
+    offsets[0][2] = b[0].end + 1;
+    CHECK_ST(he_pool_bags(b, T, NULL), HE_ERR_VALUE);
+    offsets[0][2] = keep;
+    /* Backward's view: each position's bag, and its factor. */
+    int64_t *bag_of = xmalloc((size_t)count[1] * sizeof(int64_t));
+    float *factor = xmalloc((size_t)count[1] * sizeof(float));
+    int wrote = 0;
+    CHECK_ST(he_bag_positions(&b[1], bag_of, factor, &wrote), HE_OK);
+    CHECK(wrote == 1);
+    for (int64_t bag = 0; bag < num_bags[1]; bag++) {
+        int64_t first = offsets[1][bag], last = bag + 1 < num_bags[1] ? offsets[1][bag + 1] : b[1].end, counted = 0;
+        for (int64_t p = first; p < last; p++)
+            counted += ids[1][p] != b[1].padding_idx;
+        for (int64_t p = first; p < last; p++) {
+            CHECK(bag_of[p] == bag);
+            CHECK(factor[p] == (ids[1][p] == b[1].padding_idx ? 0.0f : 1.0f / (float)counted));
+        }
+    }
+    for (int64_t p = b[1].end; p < count[1]; p++)
+        CHECK(bag_of[p] == 0 && factor[p] == 0.0f);
+    he_bag_batch plain = b[2];
+    plain.end = count[2];
+    CHECK_ST(he_bag_positions(&plain, bag_of, factor, &wrote), HE_OK);
+    CHECK(wrote == 0);
+    free(bag_of);
+    free(factor);
+    for (int t = 0; t < T; t++) {
+        free(table[t]);
+        free(out[t]);
+        free(want[t]);
+        free(weights[t]);
+        free(ids[t]);
+        free(offsets[t]);
+    }
+    set_threads(2);
+    group_end("pool_bags");
+}
+
 int main(void)
 {
     test_status();
@@ -2814,6 +2941,7 @@ int main(void)
     test_sparse_adam_fused();
     test_sparse_update_every_optimizer();
     test_grad_reduce_pooled();
+    test_pool_bags();
     test_scratch();
     test_negative_shapes();
     test_table_bounds();

@@ -52,20 +52,16 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
         self._init_table(num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype)
 
     def forward(self, input, offsets=None, per_sample_weights=None):
-        _bags.check_options(self.mode, self.scale_grad_by_freq)
-        ids, offsets, per_sample_weights, include_last_offset = _bags.flatten(
-            input, offsets, per_sample_weights, self.mode, self.include_last_offset, self._table.dtype)
+        ids, offsets, per_sample_weights, include_last_offset = self._bags(input, offsets, per_sample_weights)
         compiling = torch.compiler.is_compiling()
         if not compiling:
             self._prepare_weight()
         gpu = self._output_device.type == "cuda" and self._table.kernels_read_it
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
-        if not gpu and not compiling and self.mode != "max":
+        if self._pools_on_cpu():
             out = _bag_cpu.PooledLookup.apply(
-                self.weight, prepare_ids(ids, _bags.WHO), offsets.to("cpu"),
-                None if per_sample_weights is None else per_sample_weights.to("cpu"), self.mode,
-                include_last_offset, padding_idx, max_norm_of(self), float(self.norm_type), self.scale_grad_by_freq,
-                self._sparse_gradient())
+                self.weight, ids, offsets, per_sample_weights, self.mode, include_last_offset, padding_idx,
+                max_norm_of(self), float(self.norm_type), self.scale_grad_by_freq, self._sparse_gradient())
             self._last_lookup_path = "cpu"
             return out.to(self._output_device)
         if compiling:
@@ -89,6 +85,29 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
         return F.embedding_bag(inverse, rows, offsets.to(device), mode=self.mode, sparse=False,
                                per_sample_weights=per_sample_weights, include_last_offset=include_last_offset,
                                padding_idx=_bag_cpu.padding_row(unique, padding_idx))
+
+    def _bags(self, input, offsets, per_sample_weights):
+        """(ids, offsets, per_sample_weights, include_last_offset): the
+        input in any form torch takes, checked (_bags.flatten); ids and
+        weights on the CPU when the CPU path pools them."""
+        _bags.check_options(self.mode, self.scale_grad_by_freq)
+        pools_on_cpu = self._pools_on_cpu()
+        # The core checks the offsets as it pools (without max_norm, whose
+        # renorm writes rows before the pooling).
+        ids, offsets, per_sample_weights, include_last_offset = _bags.flatten(
+            input, offsets, per_sample_weights, self.mode, self.include_last_offset, self._table.dtype,
+            core_checks_offsets=pools_on_cpu and self.max_norm is None)
+        if pools_on_cpu:
+            ids, offsets = prepare_ids(ids, _bags.WHO), offsets.to("cpu")
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights.to("cpu")
+        return ids, offsets, per_sample_weights, include_last_offset
+
+    def _pools_on_cpu(self) -> bool:
+        """Whether forward pools in the core, on the CPU (PooledLookup):
+        eager, sum or mean, outputs not read by the GPU kernels."""
+        return not (torch.compiler.is_compiling() or self.mode == "max"
+                    or (self._output_device.type == "cuda" and self._table.kernels_read_it))
 
     def _traced_bags(self, ids, offsets, per_sample_weights, include_last_offset, gpu, padding_idx):
         """The bags for torch.compile, with no data-dependent shape: every

@@ -19,10 +19,13 @@ def check_options(mode, scale_grad_by_freq):
         raise ValueError("max mode does not support scaling the gradient by the frequency")
 
 
-def flatten(input, offsets, per_sample_weights, mode, include_last_offset, weights_dtype=torch.float32):
+def flatten(input, offsets, per_sample_weights, mode, include_last_offset, weights_dtype=torch.float32,
+            core_checks_offsets=False):
     """(ids [n], offsets [bags or bags + 1], per_sample_weights [n] or None,
     include_last_offset) from any input form torch's EmbeddingBag takes
-    (mode already checked by check_options).
+    (mode already checked by check_options). core_checks_offsets: 1-D
+    offsets are left as given, for the core's pooling to check (which then
+    calls check_offsets for torch's error); ids past the last offset stay.
     Raises as torch does (ValueError, NotImplementedError, RuntimeError),
     and also where torch reads out of bounds or says nothing useful
     (offsets that decrease, ids that are not int32/int64)."""
@@ -71,6 +74,10 @@ def flatten(input, offsets, per_sample_weights, mode, include_last_offset, weigh
         # Checked inside an op: a traced graph cannot read the offsets.
         offsets = checked_offsets.op(offsets, input.numel(), include_last_offset)
         in_bags = input.numel()
+    elif core_checks_offsets:
+        if include_last_offset and offsets.numel() == 0:
+            _check_offsets(offsets, input.numel(), include_last_offset)
+        in_bags = input.numel()
     else:
         in_bags = _check_offsets(offsets, input.numel(), include_last_offset)
     if in_bags < input.numel():
@@ -85,6 +92,13 @@ def flatten(input, offsets, per_sample_weights, mode, include_last_offset, weigh
         raise RuntimeError(f"{WHO}: expected per_sample_weights to have the same type as the weight "
                            f"({weights_dtype}), got {per_sample_weights.dtype}")
     return input, offsets, per_sample_weights, include_last_offset
+
+
+def check_offsets(batches):
+    """Raises torch's error for the first batch (_core/ops/bags.BagBatch)
+    whose offsets torch would refuse; returns if none."""
+    for batch in batches:
+        _check_offsets(batch.offsets, batch.ids.numel(), batch.include_last_offset)
 
 
 def _check_offsets(offsets, count, include_last_offset):

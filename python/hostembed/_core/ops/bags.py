@@ -1,0 +1,76 @@
+"""EmbeddingBag's CPU ops: the bags of one or many tables pooled straight
+from their tables in one call of the core (sum or mean, per-sample
+weights, padding_idx), and backward's view of a batch (each position's bag
+and gradient factor)."""
+import contextlib
+
+import torch
+from torch import Tensor
+
+from .. import _C
+from ..table import compute_dtype, host_table_of
+from .common import address, cpu_ids_args, scratch
+
+
+class BagBatch:
+    """One table's bags, checked for shape and dtype and held (with the
+    tensors the core reads) until the call; its ids range-checked by pool().
+
+    ids: flat CPU ids; offsets: each bag's start (int32 or int64), as
+    torch's embedding_bag takes them: with include_last_offset one more
+    entry, the end of the last bag (ids past it are in no bag), else the
+    last bag ends with the ids; checked by the core (ValueError).
+    per_sample_weights: [ids] of the table's dtype, or None."""
+
+    __slots__ = ("table", "ids", "offsets", "include_last_offset", "weights", "num_bags", "padding_idx", "mean",
+                 "args")
+
+    def __init__(self, weight: Tensor, ids: Tensor, offsets: Tensor, include_last_offset: bool,
+                 per_sample_weights, padding_idx: int, mean: bool, what: str = "a bag lookup"):
+        self.table = table = host_table_of(weight, what)
+        self.ids = ids.contiguous()
+        self.offsets = offsets = offsets.to(torch.int64).contiguous()
+        self.include_last_offset = include_last_offset
+        self.num_bags = max(offsets.numel() - include_last_offset, 0)
+        self.weights = None if per_sample_weights is None else per_sample_weights.to(
+            compute_dtype(table.dtype)).contiguous()
+        self.padding_idx, self.mean = padding_idx, mean
+        count = self.ids.numel()
+        ids_args = cpu_ids_args(self.ids)
+        self.args = (table.buffer, table.num_rows, table.dim, table.code, ids_args["ids"], count,
+                     ids_args["ids_int64"], address(offsets), offsets.numel(), include_last_offset,
+                     0 if self.weights is None else address(self.weights), padding_idx, mean)
+
+
+def pool(batches: list) -> list:
+    """Each batch's pooled bags, [num_bags, dim] of its table's dtype, by one
+    call of the core (threads over every table's bags). IndexError naming
+    the first bad id (and its table, for several) before any output is
+    written; ValueError for offsets that do not start at 0, decrease, or
+    pass the ids' end."""
+    outs = [scratch(b.num_bags, b.table.dim, dtype=b.table.dtype) for b in batches]
+    with contextlib.ExitStack() as held:
+        for table in {id(b.table): b.table for b in batches}.values():
+            held.enter_context(table.lock)
+            table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
+        _C.pool_bags(batches=[b.args + (address(out),) for b, out in zip(batches, outs)])
+    return outs
+
+
+def bags_end(batch: BagBatch) -> int:
+    """Where the last bag ends: ids from there on are in no bag."""
+    if batch.include_last_offset:
+        return int(batch.offsets[-1]) if batch.offsets.numel() else 0
+    return batch.ids.numel()
+
+
+def positions(batch: BagBatch):
+    """(bag_of, row_weights or None): each position's bag (int64) and its
+    share of that bag's gradient in the table's compute dtype: the
+    per-sample weight, or 1 / the bag's counted size for a mean, 0 for
+    padding (None: every share is 1)."""
+    count = batch.ids.numel()
+    bag_of = torch.empty(count, dtype=torch.int64)
+    weights = torch.empty(count, dtype=compute_dtype(batch.table.dtype))
+    wrote = _C.bag_positions(batch=batch.args + (0,), bag_of=address(bag_of), weights=address(weights))
+    return bag_of, weights if wrote else None

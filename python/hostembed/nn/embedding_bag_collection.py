@@ -1,0 +1,83 @@
+"""hostembed.EmbeddingBagCollection: a model's EmbeddingBag tables looked
+up with one call."""
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .embedding_bag import EmbeddingBag
+from .lookup import bag_cpu as _bag_cpu
+from .lookup.cpu import max_norm_of
+
+
+class EmbeddingBagCollection(nn.ModuleList):
+    r"""An :class:`torch.nn.ModuleList` of tables whose forward looks them
+    all up at once: ``collection(inputs, offsets, per_sample_weights)``
+    returns ``[collection[k](inputs[k], offsets[k], per_sample_weights[k])
+    for k in ...]``, the same outputs and gradients, but the
+    :class:`hostembed.EmbeddingBag` tables that pool on the CPU (``"sum"``
+    or ``"mean"`` without ``max_norm``) are pooled by one call of the core,
+    its threads spread over every table's bags. Other modules (``"max"``
+    mode, ``max_norm``, outputs read on the GPU, any other module) are
+    called one by one, in the same list.
+
+    Each table stays a module of its own: its shape, dtype, options,
+    optimizer state, ``state_dict`` keys (``"0.weight"``, ...),
+    ``hostembed.save``/``load``, casts and ``.to()`` are as if it were in
+    a plain ``nn.ModuleList``, and ``collection[k](...)`` still looks one
+    table up. A model written with ``nn.ModuleList([nn.EmbeddingBag(...),
+    ...])`` and a loop over it switches by building this instead and
+    calling it once::
+
+        self.tables = hostembed.EmbeddingBagCollection(
+            [hostembed.EmbeddingBag(n, 64, mode="sum") for n in sizes])
+        pooled = self.tables(ids_per_table, offsets_per_table)
+
+    Arguments: ``inputs``, a sequence with one input per table in any form
+    its table takes (1-D with offsets, 2-D, nested); ``offsets`` and
+    ``per_sample_weights``, None or a sequence of the same length (whose
+    entries may be None). Returns a list of outputs.
+    """
+
+    def forward(self, inputs, offsets=None, per_sample_weights=None):
+        count = len(self)
+        inputs = _per_table(inputs, count, "inputs")
+        offsets = _per_table(offsets, count, "offsets")
+        per_sample_weights = _per_table(per_sample_weights, count, "per_sample_weights")
+        outputs = [None] * count
+        pooled, specs, weights, sample_weights = [], [], [], []
+        for k, module in enumerate(self):
+            if not (type(module).forward is EmbeddingBag.forward and module._pools_on_cpu()
+                    and max_norm_of(module) is None):
+                outputs[k] = module(inputs[k], offsets[k], per_sample_weights[k])
+                continue
+            ids, offs, psw, last = module._bags(inputs[k], offsets[k], per_sample_weights[k])
+            module._prepare_weight()
+            padding_idx = -1 if module.padding_idx is None else module.padding_idx
+            specs.append((ids, offs, last, padding_idx, module.mode == "mean", module.scale_grad_by_freq,
+                          module._sparse_gradient()))
+            weights.append(module.weight)
+            sample_weights.append(psw)
+            pooled.append(k)
+        if pooled:
+            for k, out in zip(pooled, _bag_cpu.PooledTables.apply(specs, *weights, *sample_weights)):
+                module = self[k]
+                module._last_lookup_path = "pooled"
+                outputs[k] = out.to(module.output_device)
+        return outputs
+
+    def _get_name(self):
+        return "hostembed.EmbeddingBagCollection"
+
+
+def _per_table(values, count, name):
+    """values as a list of count entries (None: count Nones), or the
+    ValueError/TypeError saying what was expected."""
+    if values is None:
+        return [None] * count
+    if isinstance(values, torch.Tensor) or not isinstance(values, Sequence):
+        raise TypeError(f"hostembed.EmbeddingBagCollection: {name} must be a list or tuple with one entry per "
+                        f"table, got {type(values).__name__}")
+    if len(values) != count:
+        raise ValueError(f"hostembed.EmbeddingBagCollection: {name} has {len(values)} entries for {count} tables")
+    return list(values)
