@@ -179,7 +179,10 @@ class BuildExt(build_ext):
 
 def _extension():
     mode = _cuda_mode()
-    define_macros = []
+    # The core's loops on OpenMP's threads, which are torch's
+    # (csrc/thread_pool.c says why); HOSTEMBED_OPENMP=0 keeps its own pool.
+    define_macros = [] if os.environ.get("HOSTEMBED_OPENMP") == "0" else [("HE_OPENMP", "1")]
+    openmp = ["-fopenmp"] if define_macros else []
     libraries = ["m"]
     cuda = None
     if mode != "0":
@@ -219,8 +222,8 @@ def _extension():
         # with -Iinclude -Icsrc alone, which keeps it so).
         include_dirs=["include", "csrc", "cuda"],
         define_macros=define_macros,
-        extra_compile_args=CFLAGS,
-        extra_link_args=["-pthread"],
+        extra_compile_args=CFLAGS + openmp,
+        extra_link_args=["-pthread"] + openmp,
         libraries=libraries,
     )
     ext._hostembed_cuda = cuda

@@ -1,9 +1,14 @@
 /* The core's worker threads.
  *
- * One process-wide pool. The caller runs chunks too, so n threads means the
- * caller plus n-1 workers. Work is handed out in chunks; every parallel loop
- * in the core writes disjoint outputs per item, so results never depend on
- * which thread ran which chunk (identical for any thread count). */
+ * In the extension (built with HE_OPENMP) the loops run on OpenMP's
+ * threads, which are torch's: one set of threads for torch's ops and the
+ * core's. Built without it (the sanitizer tests), one process-wide pool of
+ * its own. Either way the caller runs chunks too, so n threads means the
+ * caller plus n-1 others, and work is handed out in the same chunks; every
+ * parallel loop in the core writes disjoint outputs per item, so results
+ * never depend on which thread ran which chunk (identical for any thread
+ * count, and for either build). In a forked child the loops run on the
+ * calling thread alone. */
 #ifndef HE_THREAD_POOL_H
 #define HE_THREAD_POOL_H
 
@@ -15,9 +20,9 @@
 typedef void (*he_range_fn)(void *ctx, int64_t begin, int64_t end);
 
 /* Calls fn over [0, n) in chunks of at least `grain` items and returns when
- * all are done. Falls back to running on the calling thread alone when the
- * pool is busy with another caller (two Python threads with the GIL
- * released), so it never deadlocks. */
+ * all are done. The own pool runs a job on the calling thread alone while
+ * it is busy with another caller (two Python threads with the GIL
+ * released), so it never deadlocks; OpenMP gives each caller a team. */
 he_status he_parallel_for(int64_t n, int64_t grain, he_range_fn fn, void *ctx);
 
 /* Jobs that move less memory than this run on the calling thread alone:

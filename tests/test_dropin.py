@@ -146,6 +146,32 @@ def test_forked_child_gets_a_clear_error_not_a_crash(what):
     assert emb(torch.tensor([1])).shape == (1, 4)
 
 
+def _big_pool_in_child(conn):
+    torch.set_num_threads(1)  # torch's own OpenMP ops would hang in a fork (DataLoader workers do this too)
+    table = hostembed.EmbeddingBag(50_000, 64, mode="sum")
+    ids = torch.randint(0, 50_000, (200_000,))
+    out = table(ids, torch.arange(0, 200_000, 4))
+    conn.send(out.shape[0])
+
+
+def test_a_forked_child_runs_the_cores_threaded_loops_after_the_parent_did():
+    """The core's loops run on OpenMP's threads, which a fork leaves behind
+    in the parent: the child's own tables still work (serially) instead of
+    waiting forever for threads that are not there."""
+    table = hostembed.EmbeddingBag(50_000, 64, mode="sum")
+    ids = torch.randint(0, 50_000, (200_000,))
+    table(ids, torch.arange(0, 200_000, 4))  # big enough for the threads
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_big_pool_in_child, args=(child,))
+    proc.start()
+    proc.join(60)
+    if proc.exitcode is None:
+        proc.kill()
+    assert proc.exitcode == 0, f"the forked child hung or died (exit code {proc.exitcode})"
+    assert parent.recv() == 50_000
+
+
 class _LookupDataset(torch.utils.data.Dataset):
     def __init__(self, emb):
         self.emb = emb
