@@ -4,6 +4,10 @@ The build needs setuptools and a C compiler only; it never imports torch, so
 one build serves every torch >= 2.1 and `pip install .` works with build
 isolation. Set HOSTEMBED_WERROR=1 to turn warnings into errors (CI does).
 
+OpenMP: where the compiler has it (-fopenmp), the core's loops run on
+OpenMP's threads, at run time torch's own (libgomp is linked by name and
+torch loads it first); HOSTEMBED_OPENMP=0 builds the core's own pool.
+
 CUDA (cuda/*.cu, the GPU path): HOSTEMBED_CUDA=1 requires it (the build fails
 if nvcc is missing), =0 skips it, unset builds it when nvcc is found (on
 PATH, or under $CUDA_HOME / $CUDA_PATH). The CUDA runtime is linked
@@ -177,12 +181,35 @@ class BuildExt(build_ext):
         super().build_extension(ext)
 
 
+def _openmp_works():
+    """Whether the C compiler builds and links an OpenMP program."""
+    import sysconfig
+    import tempfile
+    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "omp.c")
+        with open(src, "w") as f:
+            f.write("#include <omp.h>\nint main(void) { return omp_in_parallel(); }\n")
+        try:
+            run = subprocess.run([*cc, "-fopenmp", src, "-o", os.path.join(tmp, "omp")], capture_output=True,
+                                 timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            return False
+        return run.returncode == 0
+
+
 def _extension():
     mode = _cuda_mode()
     # The core's loops on OpenMP's threads, which are torch's
-    # (csrc/thread_pool.c says why); HOSTEMBED_OPENMP=0 keeps its own pool.
-    define_macros = [] if os.environ.get("HOSTEMBED_OPENMP") == "0" else [("HE_OPENMP", "1")]
-    openmp = ["-fopenmp"] if define_macros else []
+    # (csrc/thread_pool.c says why); HOSTEMBED_OPENMP=0, or a compiler
+    # without OpenMP, keeps the core's own thread pool.
+    openmp = []
+    if os.environ.get("HOSTEMBED_OPENMP") != "0":
+        if _openmp_works():
+            openmp = ["-fopenmp"]
+        else:
+            print("hostembed: the C compiler has no OpenMP; the core uses its own threads", file=sys.stderr)
+    define_macros = [("HE_OPENMP", "1")] if openmp else []
     libraries = ["m"]
     cuda = None
     if mode != "0":

@@ -14,6 +14,9 @@
  * the stack); float32 and float64 tables sum straight into the output. */
 #define HE_POOL_BLOCK 256
 
+/* The widest row whose bag sum is kept in registers (pool_row_n). */
+#define HE_POOL_REGISTER_WIDTH 64
+
 #ifndef HE_POOL_AHEAD
 #define HE_POOL_AHEAD 8
 #endif

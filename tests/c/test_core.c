@@ -2810,8 +2810,10 @@ static void test_cache_trains_bit_identically(void)
 static void test_pool_bags(void)
 {
     group_begin();
-    enum { T = 3 };
-    const int64_t rows[T] = {400, 90, 7}, dim[T] = {37, 8, 0}, count[T] = {900, 300, 20};
+    /* Widths of the general loop (37), of the register sums (16 with
+     * padding and a mean, 64 weighted), and zero. */
+    enum { T = 4 };
+    const int64_t rows[T] = {400, 90, 7, 300}, dim[T] = {37, 16, 0, 64}, count[T] = {900, 300, 20, 700};
     float *table[T], *out[T], *want[T], *weights[T];
     int64_t *ids[T], *offsets[T], num_bags[T];
     he_bag_batch b[T];
@@ -2837,7 +2839,7 @@ static void test_pool_bags(void)
         want[t] = xmalloc((size_t)(n * dim[t] + 1) * sizeof(float));
         b[t] = (he_bag_batch){he_table_contiguous(table[t], (size_t)(rows[t] * dim[t]) * sizeof(float), rows[t],
                                                   dim[t]),
-                              {ids[t], count[t], 1}, offsets[t], n, at, t == 0 ? weights[t] : NULL,
+                              {ids[t], count[t], 1}, offsets[t], n, at, t == 0 || t == 3 ? weights[t] : NULL,
                               t == 1 ? ids[t][3] : -1, t == 1, out[t]};
     }
     for (int t = 0; t < T; t++)
@@ -2876,7 +2878,7 @@ static void test_pool_bags(void)
     int64_t bad = -1;
     CHECK_ST(he_pool_bags(b, T, &bad), HE_ERR_INDEX);
     CHECK(bad == 1);
-    CHECK_MSG("table 1 of 3");
+    CHECK_MSG("table 1 of 4");
     CHECK_MSG("position 5");
     for (int t = 0; t < T; t++)
         for (size_t i = 0; i < (size_t)(num_bags[t] * dim[t]) * sizeof(float); i++)

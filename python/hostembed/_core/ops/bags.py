@@ -28,11 +28,18 @@ class BagBatch:
     def __init__(self, weight: Tensor, ids: Tensor, offsets: Tensor, include_last_offset: bool,
                  per_sample_weights, padding_idx: int, mean: bool, what: str = "a bag lookup"):
         self.table = table = host_table_of(weight, what)
-        self.ids = ids.contiguous()
         self.offsets = offsets = offsets.to(torch.int64).contiguous()
+        if include_last_offset and offsets.numel() and 0 <= int(offsets[-1]) < ids.numel():
+            # The ids after the last offset are in no bag: never read, never
+            # checked, no gradient (an end past the ids is the core's error).
+            end = int(offsets[-1])
+            ids = ids[:end]
+            per_sample_weights = None if per_sample_weights is None else per_sample_weights[:end]
+        self.ids = ids.contiguous()
         self.include_last_offset = include_last_offset
         self.num_bags = max(offsets.numel() - include_last_offset, 0)
-        self.weights = None if per_sample_weights is None else per_sample_weights.to(
+        # Detached: the core reads the values; autograd keeps the tensor.
+        self.weights = None if per_sample_weights is None else per_sample_weights.detach().to(
             compute_dtype(table.dtype)).contiguous()
         self.padding_idx, self.mean = padding_idx, mean
         count = self.ids.numel()
@@ -55,13 +62,6 @@ def pool(batches: list) -> list:
             table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
         _C.pool_bags(batches=[b.args + (address(out),) for b, out in zip(batches, outs)])
     return outs
-
-
-def bags_end(batch: BagBatch) -> int:
-    """Where the last bag ends: ids from there on are in no bag."""
-    if batch.include_last_offset:
-        return int(batch.offsets[-1]) if batch.offsets.numel() else 0
-    return batch.ids.numel()
 
 
 def positions(batch: BagBatch):

@@ -108,7 +108,8 @@ def bag_gradient(batch, grad_out, needs_weight, needs_weights, scale_grad_by_fre
         weights_grad = (grad_out.index_select(0, bag_of) * looked_up).sum(1)
         if padding_idx >= 0:
             weights_grad.masked_fill_(ids == padding_idx, 0)
-        weights_grad[bag_ops.bags_end(batch) if batch.num_bags else 0:] = 0  # positions in no bag
+        if batch.num_bags == 0:  # every position is in no bag
+            weights_grad.zero_()
     grad = None
     if needs_weight:
         pooling = _fused.Pooling(bag_of, row_weights)
