@@ -11,7 +11,8 @@
 #include "thread_pool.h"
 
 /* Columns a half table's bag is pooled in at a time (its float sums on
- * the stack); float32 and float64 tables sum straight into the output. */
+ * the stack); float32 and float64 tables sum into the output row, or in
+ * registers for the widths pool_row_n takes. */
 #define HE_POOL_BLOCK 256
 
 /* The widest row whose bag sum is kept in registers (pool_row_n). */
