@@ -230,3 +230,20 @@ def test_module_protocol_is_the_tables(tmp_path):
     doubled = again(inputs, offsets, [None if w is None else w.double() for w in weights])
     assert all(o.dtype == torch.float64 for o in doubled)
     assert [t._last_lookup_path for t in again] == ["pooled"] * 4
+
+
+def test_compiles_fullgraph_and_matches_eager():
+    """Under torch.compile each table takes its traced path (the one-call
+    pooling is eager-only): the same outputs and gradients."""
+    eager, compiled = tables(seed=5), tables(seed=5)
+    inputs, offsets, weights = batch(7)
+    inputs[3], offsets[3], weights[3] = inputs[3][:45], offsets[3], None  # the traced path needs offsets[-1] == len
+    outs = hostembed.EmbeddingBagCollection(eager)(inputs, offsets, weights)
+    fn = torch.compile(hostembed.EmbeddingBagCollection(compiled), fullgraph=True)
+    got = fn(inputs, offsets, weights)
+    for a, b in zip(outs, got):
+        torch.testing.assert_close(a, b)
+    sum(o.sum() for o in outs).backward()
+    sum(o.sum() for o in got).backward()
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a.weight.grad.to_dense(), b.weight.grad.to_dense())
