@@ -157,17 +157,12 @@ static int64_t chunk_size(int64_t n, int64_t grain, int64_t threads)
  * threads). The same chunks as the pthread pool, taken by an atomic
  * counter (no OpenMP loop schedule, whose entry points vary between
  * libgomp versions). */
-he_status he_parallel_for(int64_t n, int64_t grain, he_range_fn fn, void *ctx)
+static void run_job(int64_t n, int64_t grain, he_range_fn fn, void *ctx)
 {
-    if (n <= 0)
-        return HE_OK;
-    if (grain < 1)
-        grain = 1;
-    pthread_once(&atfork_once, register_atfork);
     int64_t threads = he_get_num_threads();
     if (n <= grain || threads < 2 || in_forked_child || omp_in_parallel()) {
         fn(ctx, 0, n);
-        return HE_OK;
+        return;
     }
     int64_t chunk = chunk_size(n, grain, threads);
     int64_t num_chunks = (n + chunk - 1) / chunk;
@@ -182,26 +177,20 @@ he_status he_parallel_for(int64_t n, int64_t grain, he_range_fn fn, void *ctx)
         int64_t begin = c * chunk;
         fn(ctx, begin, begin + chunk < n ? begin + chunk : n);
     }
-    return HE_OK;
 }
 #else
-he_status he_parallel_for(int64_t n, int64_t grain, he_range_fn fn, void *ctx)
+static void run_job(int64_t n, int64_t grain, he_range_fn fn, void *ctx)
 {
-    if (n <= 0)
-        return HE_OK;
-    if (grain < 1)
-        grain = 1;
-    pthread_once(&atfork_once, register_atfork);
     if (n <= grain || pthread_mutex_trylock(&job_lock) != 0) {
         fn(ctx, 0, n);
-        return HE_OK;
+        return;
     }
     pool *p = &the_pool;
     start_workers(p);
     if (p->num_workers == 0) {
         pthread_mutex_unlock(&job_lock);
         fn(ctx, 0, n);
-        return HE_OK;
+        return;
     }
     int64_t chunk = chunk_size(n, grain, p->num_workers + 1);
 
@@ -224,9 +213,17 @@ he_status he_parallel_for(int64_t n, int64_t grain, he_range_fn fn, void *ctx)
         pthread_cond_wait(&p->finished, &p->lock);
     pthread_mutex_unlock(&p->lock);
     pthread_mutex_unlock(&job_lock);
-    return HE_OK;
 }
 #endif
+
+he_status he_parallel_for(int64_t n, int64_t grain, he_range_fn fn, void *ctx)
+{
+    if (n <= 0)
+        return HE_OK;
+    pthread_once(&atfork_once, register_atfork);
+    run_job(n, grain < 1 ? 1 : grain, fn, ctx);
+    return HE_OK;
+}
 
 he_status he_parallel_for_bytes(int64_t n, int64_t grain, int64_t bytes, he_range_fn fn, void *ctx)
 {
