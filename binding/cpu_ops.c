@@ -287,11 +287,11 @@ static PyObject *heb_sparse_update(PyObject *mod, PyObject *args, PyObject *kwds
     Py_RETURN_NONE;
 }
 
-/* The fused backward: grad_reduce of the batch's Dedup straight into the
- * optimizer's row update. */
-static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject *kwds)
+/* A fused update's keyword arguments (sparse_update_fused's) into out; 0
+ * with an exception set. The objects they name stay alive with args and
+ * kwds (the caller's). */
+static int heb_parse_fused(PyObject *args, PyObject *kwds, he_fused_update *out)
 {
-    (void)mod;
     static char *kwlist[] = {"dedup", "grad", "padding_idx", "scale_grad_by_freq", "kind", "weight", "state",
                              "num_rows", "dim", "lr", "beta1", "beta2", "eps", "lr_decay", "step", "maximize",
                              "weight_decay", "bag_of", "row_weights", "num_bags", "dtype", "grad_dtype",
@@ -312,23 +312,79 @@ static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject
                                      &dim, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize,
                                      &hp.weight_decay, heb_address_converter, &bag_of, heb_address_converter,
                                      &row_weights, &num_bags, &dtype, &grad_dtype, &stochastic, &seed))
-        return NULL;
+        return 0;
     hp.step = step;
     hp.maximize = maximize;
     hp.stochastic_rounding = stochastic;
     hp.seed = seed;
-    he_table w, s[HE_OPTIM_MAX_STATE];
-    int num_state;
-    if (heb_optim_tables(&weight, state, num_rows, dim, dtype, &hp, &w, s, &num_state) < 0)
-        return NULL;
+    if (heb_optim_tables(&weight, state, num_rows, dim, dtype, &hp, &out->weight, out->state, &out->num_state) < 0)
+        return 0;
     he_reduce_opts opts = {padding_idx, scale, bag_of.ptr, row_weights.ptr, num_bags, grad_dtype};
+    out->d = dedup->d;
+    out->grad = grad.ptr;
+    out->opts = opts;
+    out->hp = hp;
+    return 1;
+}
+
+/* The fused backward: grad_reduce of the batch's Dedup straight into the
+ * optimizer's row update. */
+static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    he_fused_update f;
+    if (!heb_parse_fused(args, kwds, &f))
+        return NULL;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_sparse_update_fused(dedup->d, grad.ptr, &opts, &hp, &w, s, num_state);
+    st = he_sparse_update_fused(f.d, f.grad, &f.opts, &f.hp, &f.weight, f.state, f.num_state);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
     Py_RETURN_NONE;
+}
+
+/* Several tables' fused updates in one call (a list of dicts, each
+ * sparse_update_fused's keywords): he_sparse_update_fused_many. */
+static PyObject *heb_sparse_update_fused_many(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"updates", NULL};
+    PyObject *list;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!:sparse_update_fused_many", kwlist, &PyList_Type, &list))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    he_fused_update *updates = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *updates);
+    PyObject *empty = PyTuple_New(0);
+    PyObject *result = NULL;
+    if (!updates || !empty) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        if (!PyDict_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "updates[%zd] must be a dict of sparse_update_fused's keywords, got %.100s",
+                         i, Py_TYPE(item)->tp_name);
+            goto done;
+        }
+        if (!heb_parse_fused(empty, item, &updates[i]))
+            goto done;
+    }
+    he_status st;
+    /* The list (and the Dedups and buffers its dicts hold) stays alive: our
+     * caller holds it. */
+    Py_BEGIN_ALLOW_THREADS
+    st = he_sparse_update_fused_many(updates, n);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        heb_raise_status(st);
+    else
+        result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(empty);
+    PyMem_Free(updates);
+    return result;
 }
 
 /* torch.optim.Adam / AdamW on every row (dense_adam.h); state is
@@ -413,6 +469,9 @@ static PyMethodDef heb_cpu_methods[] = {
      "grad_reduce of grad ([dedup.count, dim] rows of he_dtype `grad_dtype`: the table's dtype or its compute "
      "type) fed straight into the optimizer's row update: the same bits as the two calls, without writing the "
      "sums out"},
+    {"sparse_update_fused_many", HEB_KW_FUNC(heb_sparse_update_fused_many), METH_VARARGS | METH_KEYWORDS,
+     "sparse_update_fused_many(*, updates)\n--\n\nsparse_update_fused of several tables (a list of dicts of its "
+     "keywords), every one checked before any row is written; small ones side by side on the threads"},
     {"sparse_update", HEB_KW_FUNC(heb_sparse_update), METH_VARARGS | METH_KEYWORDS,
      "sparse_update($module, /, *, kind, weight, state, num_rows, dim, indices, values, nnz, lr, beta1, beta2, "
      "eps, lr_decay, step, maximize, weight_decay, dtype, values_dtype, stochastic_rounding, seed)\n--\n\n"

@@ -1,5 +1,7 @@
 #include "sparse_update.h"
 
+#include <stdio.h>
+
 #include <inttypes.h>
 #include <stdlib.h>
 
@@ -272,19 +274,27 @@ he_status he_sparse_update(const he_optim_params *hp, const he_table *weight, co
     return st;
 }
 
-he_status he_sparse_update_fused(const he_dedup *d, const void *grad, const he_reduce_opts *opts,
-                                 const he_optim_params *hp, const he_table *weight, const he_table *state,
-                                 int num_state)
+/* The checks of he_sparse_update_fused, u prepared for its update. */
+static he_status prepare_fused(const he_dedup *d, const he_reduce_opts *opts, const he_optim_params *hp,
+                               const he_table *weight, const he_table *state, int num_state, update_ctx *u)
 {
-    update_ctx u;
-    he_status st = prepare(hp, weight, state, num_state, &u);
+    he_status st = prepare(hp, weight, state, num_state, u);
     if (st != HE_OK)
         return st;
     /* The ids were range-checked against d->num_rows when it was built. */
     if (d->num_rows != weight->num_rows)
         return he_fail(HE_ERR_VALUE, "the ids were checked against %" PRId64 " rows, the table has %" PRId64,
                        d->num_rows, weight->num_rows);
-    if ((st = check_gradient_dtype(weight, opts->dtype)) != HE_OK)
+    return check_gradient_dtype(weight, opts->dtype);
+}
+
+he_status he_sparse_update_fused(const he_dedup *d, const void *grad, const he_reduce_opts *opts,
+                                 const he_optim_params *hp, const he_table *weight, const he_table *state,
+                                 int num_state)
+{
+    update_ctx u;
+    he_status st = prepare_fused(d, opts, hp, weight, state, num_state, &u);
+    if (st != HE_OK)
         return st;
     int compute = he_compute_dtype(weight->dtype);
     if (u.rule->prelude_f32 && weight->dim > HE_REDUCE_BLOCK) {
@@ -304,4 +314,58 @@ he_status he_sparse_update_fused(const he_dedup *d, const void *grad, const he_r
     }
     he_row_update update = {fused_apply, fused_prefetch, &u};
     return he_grad_reduce_apply(d, grad, weight->dim, opts, &update);
+}
+
+typedef struct many_job {
+    const he_fused_update *updates;
+    he_status *status;
+    char (*why)[256]; /* a failed update's message, from the thread that ran it */
+} many_job;
+
+static void run_updates(void *ctx, int64_t begin, int64_t end)
+{
+    const many_job *job = ctx;
+    for (int64_t i = begin; i < end; i++) {
+        const he_fused_update *f = &job->updates[i];
+        job->status[i] = he_sparse_update_fused(f->d, f->grad, &f->opts, &f->hp, &f->weight, f->state, f->num_state);
+        if (job->status[i] != HE_OK)
+            snprintf(job->why[i], sizeof job->why[i], "%s", he_last_error());
+    }
+}
+
+he_status he_sparse_update_fused_many(const he_fused_update *updates, int64_t count)
+{
+    if (count < 0)
+        return he_fail(HE_ERR_VALUE, "a fused update of %" PRId64 " tables", count);
+    int small = 1;
+    for (int64_t i = 0; i < count; i++) {
+        const he_fused_update *f = &updates[i];
+        update_ctx u;
+        he_status st = prepare_fused(f->d, &f->opts, &f->hp, &f->weight, f->state, f->num_state, &u);
+        if (st != HE_OK) {
+            char why[512];
+            snprintf(why, sizeof why, "%s", he_last_error());
+            return he_fail(st, "table %" PRId64 " of %" PRId64 ": %s", i, count, why);
+        }
+        /* As grad_reduce counts a job's memory traffic. */
+        int64_t bytes = (f->d->count + 3 * f->d->num_unique) * f->weight.dim * (int64_t)he_dtype_size(f->opts.dtype);
+        small &= bytes < HE_PARALLEL_MIN_BYTES;
+    }
+    he_status *status = calloc((size_t)(count > 0 ? count : 1), sizeof *status);
+    char(*why)[256] = calloc((size_t)(count > 0 ? count : 1), sizeof *why);
+    if (!status || !why) {
+        free(status);
+        free(why);
+        return he_fail(HE_ERR_NOMEM, "no memory for a fused update of %" PRId64 " tables", count);
+    }
+    many_job job = {updates, status, why};
+    he_status st = small ? he_parallel_for(count, 1, run_updates, &job) : HE_OK;
+    if (st == HE_OK && !small)
+        run_updates(&job, 0, count);
+    for (int64_t i = 0; i < count && st == HE_OK; i++)
+        if (status[i] != HE_OK)
+            st = he_fail(status[i], "table %" PRId64 " of %" PRId64 ": %s", i, count, why[i]);
+    free(status);
+    free(why);
+    return st;
 }

@@ -8,6 +8,7 @@
 #include "dedup.h"
 #include "grad_reduce.h"
 #include "he_optim.h"
+#include "optimizers.h"
 #include "he_status.h"
 #include "table.h"
 
@@ -39,5 +40,24 @@ he_status he_sparse_update(const he_optim_params *hp, const he_table *weight, co
 he_status he_sparse_update_fused(const he_dedup *d, const void *grad, const he_reduce_opts *opts,
                                  const he_optim_params *hp, const he_table *weight, const he_table *state,
                                  int num_state);
+
+/* One table's he_sparse_update_fused, for he_sparse_update_fused_many. */
+typedef struct he_fused_update {
+    const he_dedup *d;
+    const void *grad;
+    he_reduce_opts opts;
+    he_optim_params hp;
+    he_table weight;
+    he_table state[HE_OPTIM_MAX_STATE];
+    int num_state;
+} he_fused_update;
+
+/* he_sparse_update_fused of several tables (a model's tables after one
+ * backward pass), the same bits as one call each. Every update is checked
+ * before any row is written (an error names the table: "table k of n").
+ * When each is too small to be worth the threads on its own, the tables
+ * are updated side by side, one thread a table; otherwise one after
+ * another, each with every thread. */
+he_status he_sparse_update_fused_many(const he_fused_update *updates, int64_t count);
 
 #endif

@@ -2930,6 +2930,72 @@ static void test_pool_bags(void)
     group_end("pool_bags");
 }
 
+/* he_sparse_update_fused_many: Adagrad on three tables at once, side by
+ * side on the threads (small tables) and one after another (a big one),
+ * bitwise what one he_sparse_update_fused a table gives; an update that
+ * fails its checks changes no table and names its table. */
+static void test_sparse_update_fused_many(void)
+{
+    group_begin();
+    enum { T = 3 };
+    for (int big = 0; big <= 1; big++) {
+        const int64_t rows[T] = {300, 50, big ? 20000 : 9}, dim[T] = {16, 64, big ? 96 : 5};
+        const int64_t count[T] = {400, 200, big ? 20000 : 30};
+        float *w[T], *st[T], *w_ref[T], *st_ref[T], *grad[T];
+        int64_t *ids[T];
+        he_dedup *d[T];
+        he_fused_update u[T];
+        for (int t = 0; t < T; t++) {
+            size_t n = (size_t)(rows[t] * dim[t]);
+            w[t] = xmalloc(n * sizeof(float));
+            st[t] = xmalloc(n * sizeof(float));
+            fill_uniform(w[t], rows[t] * dim[t], -1.0, 1.0);
+            fill_uniform(st[t], rows[t] * dim[t], 0.0, 1.0);
+            w_ref[t] = xdup(w[t], n * sizeof(float));
+            st_ref[t] = xdup(st[t], n * sizeof(float));
+            ids[t] = xmalloc((size_t)count[t] * sizeof(int64_t));
+            grad[t] = xmalloc((size_t)(count[t] * dim[t]) * sizeof(float));
+            for (int64_t i = 0; i < count[t]; i++)
+                ids[t][i] = (int64_t)rng_below((uint64_t)rows[t]);
+            fill_uniform(grad[t], count[t] * dim[t], -1.0, 1.0);
+            he_ids view = {ids[t], count[t], 1};
+            CHECK_ST(he_dedup_build(&view, rows[t], &d[t]), HE_OK);
+            he_optim_params hp = {HE_OPTIM_ADAGRAD, 0.1, 0, 0, 1e-10, 0.01, 3, 0, 0.0, 0, 0};
+            u[t] = (he_fused_update){d[t], grad[t], {-1, 0}, hp,
+                                     he_table_contiguous(w[t], n * sizeof(float), rows[t], dim[t]),
+                                     {he_table_contiguous(st[t], n * sizeof(float), rows[t], dim[t])}, 1};
+            u[t].opts.dtype = HE_F32;
+        }
+        set_threads(3);
+        /* A dedup of another row count in the last table: nothing written. */
+        he_fused_update bad[T] = {u[0], u[1], u[2]};
+        bad[2].weight.num_rows -= 1;
+        bad[2].state[0].num_rows -= 1;
+        CHECK_ST(he_sparse_update_fused_many(bad, T), HE_ERR_VALUE);
+        CHECK_MSG("table 2 of 3");
+        for (int t = 0; t < T; t++)
+            CHECK(memcmp(w[t], w_ref[t], (size_t)(rows[t] * dim[t]) * sizeof(float)) == 0);
+        CHECK_ST(he_sparse_update_fused_many(u, T), HE_OK);
+        for (int t = 0; t < T; t++) {
+            size_t n = (size_t)(rows[t] * dim[t]);
+            he_table wr = he_table_contiguous(w_ref[t], n * sizeof(float), rows[t], dim[t]);
+            he_table sr = he_table_contiguous(st_ref[t], n * sizeof(float), rows[t], dim[t]);
+            CHECK_ST(he_sparse_update_fused(d[t], grad[t], &u[t].opts, &u[t].hp, &wr, &sr, 1), HE_OK);
+            CHECKF(memcmp(w[t], w_ref[t], n * sizeof(float)) == 0 && memcmp(st[t], st_ref[t], n * sizeof(float)) == 0,
+                   "table %d (big %d): the update of many differs from its own", t, big);
+            he_dedup_free(d[t]);
+            free(w[t]);
+            free(st[t]);
+            free(w_ref[t]);
+            free(st_ref[t]);
+            free(ids[t]);
+            free(grad[t]);
+        }
+    }
+    set_threads(2);
+    group_end("sparse_update_fused_many");
+}
+
 int main(void)
 {
     test_status();
@@ -2944,6 +3010,7 @@ int main(void)
     test_sparse_update_every_optimizer();
     test_grad_reduce_pooled();
     test_pool_bags();
+    test_sparse_update_fused_many();
     test_scratch();
     test_negative_shapes();
     test_table_bounds();

@@ -5,7 +5,9 @@ is built.
 When it runs. A lookup's backward hands its output gradient to the table
 (take_gradient) instead of returning a gradient for the weight. The first
 one of a backward pass queues a callback that autograd runs when the pass
-ends; it applies one update with everything the pass handed over. So a
+ends; it applies one update to each table with everything the pass handed
+over, the tables of one optimizer in one call (the optimizer's
+_fused_update_many: small tables are updated side by side). So a
 table looked up several times in one forward gets one update of the summed
 gradient, exactly as unfused training would (then through the unfused
 reduce and update: the case is rare). A single lookup, the usual case, goes
@@ -132,18 +134,38 @@ def take_gradient(table, gradient):
         if table.fused_awaiting_step:
             raise RuntimeError(ACCUMULATION_MESSAGE)
         pending = table.fused_pending = (task, [])
-        torch.autograd.Variable._execution_engine.queue_callback(
-            functools.partial(_apply, weakref.ref(table), weakref.ref(opt)))
+        tables = _pending_tables.get(task)
+        if tables is None:
+            tables = _pending_tables[task] = []
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_apply, task))
+        tables.append(weakref.ref(table))
     pending[1].append(gradient)
     return True
 
 
-def _apply(table_ref, opt_ref):
-    table, opt = table_ref(), opt_ref()
-    if table is None:
-        return
-    pending, table.fused_pending = table.fused_pending, None
-    if opt is None or pending is None or not pending[1]:
-        return
-    opt._fused_update(table, pending[1])
-    table.fused_awaiting_step = True
+# Backward pass (graph task id) -> the tables that took a gradient in it.
+# A pass that raises before its end leaves its entry (a few weak refs).
+_pending_tables = {}
+
+
+def _apply(task):
+    """The end of backward pass `task`: each table's update, one call for
+    the tables of each optimizer."""
+    by_optimizer = {}
+    for ref in _pending_tables.pop(task, ()):
+        table = ref()
+        if table is None or table.fused_pending is None or table.fused_pending[0] != task:
+            continue
+        pending, table.fused_pending = table.fused_pending, None
+        opt = optimizer_of(table)
+        if opt is not None and pending[1]:
+            by_optimizer.setdefault(id(opt), (opt, []))[1].append((table, pending[1]))
+    for opt, items in by_optimizer.values():
+        many = getattr(opt, "_fused_update_many", None)
+        if many is not None:
+            many(items)
+        else:  # SparseAdam: one table at a time
+            for table, gradients in items:
+                opt._fused_update(table, gradients)
+        for table, _ in items:
+            table.fused_awaiting_step = True

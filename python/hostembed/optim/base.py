@@ -121,6 +121,27 @@ class HostStep:
         if record:
             self.state[p].update(record)
 
+    def _fused_update_many(self, items):
+        """_fused_update of each (table, gradients) of one backward pass:
+        the tables whose update is the core's fused pass go to the core in
+        one call (small ones are updated side by side there)."""
+        if type(self)._fused_update is not HostStep._fused_update:
+            for table, gradients in items:
+                self._fused_update(table, gradients)
+            return
+        batch = []
+        for table, gradients in items:
+            if len(gradients) == 1 and isinstance(gradients[0], _fused.CpuGradient):
+                p, group = _fused.param_of(self, table)
+                kind, state, hyper, record = self._host_args(p, table, group)
+                batch.append((p, record, (kind, p, state, gradients[0], hyper)))
+            else:
+                self._fused_update(table, gradients)
+        update_ops.sparse_update_fused_many([update for _, _, update in batch])
+        for p, record, _ in batch:
+            if record:
+                self.state[p].update(record)
+
     def _fused_update(self, table, gradients):
         """The update of `table` in backward (fused=True) with the lookup
         gradients of one backward pass (_core/fused.py calls it at its end)."""

@@ -4,6 +4,8 @@ gradient (the fused mode, sparse_update_fused). A table with a row cache
 updates the rows its cache holds in their records (_cache.RowCache).
 dense_adam is torch's Adam over every row of a table, without a dense
 gradient."""
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -138,31 +140,58 @@ def sparse_update_fused(kind: int, weight: Tensor, state, gradient, *, lr: float
     (_fused.CpuGradient) in one pass: each id's gradient rows summed and
     handed to its row update, the same bits as grad_reduce then
     sparse_update. Eager only (the fused mode, _core/fused.py)."""
-    name = _OPTIMIZER_NAMES[kind]
-    table = host_table_of(weight, name)
-    if table.cache is not None:
-        # Rows in records and rows in host memory: the unfused reduce,
-        # then the cache's update (the same bits).
-        indices, values = reduce_to_host(table, gradient)
-        sparse_update(kind, weight, state, indices, values, lr=lr, step=step, maximize=maximize, beta1=beta1,
-                      beta2=beta2, eps=eps, lr_decay=lr_decay, weight_decay=weight_decay)
+    sparse_update_fused_many([(kind, weight, state, gradient, dict(
+        lr=lr, step=step, maximize=maximize, beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay,
+        weight_decay=weight_decay))])
+
+
+def _hyperparameters(*, lr: float, step: int, maximize: bool, beta1: float = 0.0, beta2: float = 0.0,
+                     eps: float = 0.0, lr_decay: float = 0.0, weight_decay: float = 0.0) -> dict:
+    """An update's hyperparameters, every one the core takes (TypeError
+    for any other)."""
+    return dict(lr=lr, step=step, maximize=maximize, beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay,
+                weight_decay=weight_decay)
+
+
+def sparse_update_fused_many(updates) -> None:
+    """sparse_update_fused of each (kind, weight, state, gradient, hyper)
+    of one backward pass (one entry a table), by one call of the core:
+    every update checked before any row is written, small tables updated
+    side by side on the core's threads. Tables with a row cache take the
+    unfused reduce, then the cache's update (the same bits)."""
+    prepared = []
+    for kind, weight, state, gradient, hyper in updates:
+        name = _OPTIMIZER_NAMES[kind]
+        table = host_table_of(weight, name)
+        if table.cache is not None:
+            indices, values = reduce_to_host(table, gradient)
+            sparse_update(kind, weight, state, indices, values, **hyper)
+            continue
+        buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
+        ids = gradient.ids.reshape(-1).contiguous()
+        rows, bags, weights = gradient_rows(gradient.grad, ids, table.dim, gradient.pooling,
+                                            table.gradient_dtype(gradient.grad.dtype))
+        dedup = gradient.dedup
+        if dedup is None:
+            dedup = _C.Dedup(**cpu_ids_args(ids), num_rows=table.num_rows)
+        args = dict(dedup=dedup, grad=address(rows), padding_idx=gradient.padding_idx,
+                    scale_grad_by_freq=gradient.scale_grad_by_freq, kind=kind, weight=table.buffer, state=buffers,
+                    num_rows=table.num_rows, dim=table.dim, **_hyperparameters(**hyper), dtype=table.code,
+                    grad_dtype=DTYPE_CODES[rows.dtype], stochastic_rounding=table.stochastic_rounding,
+                    seed=table.seed, **bags)
+        prepared.append((table, ids, args, (rows, weights)))
+    if not prepared:
         return
-    buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
-    ids = gradient.ids.reshape(-1).contiguous()
-    rows, bags, _weights = gradient_rows(gradient.grad, ids, table.dim, gradient.pooling,
-                                          table.gradient_dtype(gradient.grad.dtype))
-    dedup = gradient.dedup
-    if dedup is None:
-        dedup = _C.Dedup(**cpu_ids_args(ids), num_rows=table.num_rows)
-    with table.lock:
-        table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
-        _C.sparse_update_fused(dedup=dedup, grad=address(rows), padding_idx=gradient.padding_idx,
-                               scale_grad_by_freq=gradient.scale_grad_by_freq, kind=kind, weight=table.buffer,
-                               state=buffers, num_rows=table.num_rows, dim=table.dim, lr=lr, beta1=beta1,
-                               beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
-                               weight_decay=weight_decay, dtype=table.code, grad_dtype=DTYPE_CODES[rows.dtype],
-                               stochastic_rounding=table.stochastic_rounding, seed=table.seed, **bags)
-        table.rows_changed(ids)
+    with contextlib.ExitStack() as held:
+        for table in {id(t): t for t, _, _, _ in prepared}.values():
+            held.enter_context(table.lock)
+            table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
+        if len(prepared) == 1:
+            _C.sparse_update_fused(**prepared[0][2])
+        else:
+            _C.sparse_update_fused_many(updates=[args for _, _, args, _ in prepared])
+        for table, ids, _, _ in prepared:
+            table.rows_changed(ids)
 
 
 def reduce_to_host(table, gradient):
