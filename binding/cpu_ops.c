@@ -287,7 +287,7 @@ static PyObject *heb_sparse_update(PyObject *mod, PyObject *args, PyObject *kwds
     Py_RETURN_NONE;
 }
 
-/* A fused update's keyword arguments (sparse_update_fused's) into out; 0
+/* One table's fused update, its keyword arguments, into out; 0
  * with an exception set. The objects they name stay alive with args and
  * kwds (the caller's). */
 static int heb_parse_fused(PyObject *args, PyObject *kwds, he_fused_update *out)
@@ -306,7 +306,7 @@ static int heb_parse_fused(PyObject *args, PyObject *kwds, he_fused_update *out)
     unsigned long long seed;
     int scale, maximize, dtype, grad_dtype, stochastic;
     he_optim_params hp = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LpiO&O!LLdddddLpdO&O&LiipK:sparse_update_fused", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LpiO&O!LLdddddLpdO&O&LiipK:sparse_update_fused_many", kwlist,
                                      &heb_dedup_type, &dedup, heb_address_converter, &grad, &padding_idx, &scale,
                                      &hp.kind, heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows,
                                      &dim, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize,
@@ -327,25 +327,10 @@ static int heb_parse_fused(PyObject *args, PyObject *kwds, he_fused_update *out)
     return 1;
 }
 
-/* The fused backward: grad_reduce of the batch's Dedup straight into the
- * optimizer's row update. */
-static PyObject *heb_sparse_update_fused(PyObject *mod, PyObject *args, PyObject *kwds)
-{
-    (void)mod;
-    he_fused_update f;
-    if (!heb_parse_fused(args, kwds, &f))
-        return NULL;
-    he_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = he_sparse_update_fused(f.d, f.grad, &f.opts, &f.hp, &f.weight, f.state, f.num_state);
-    Py_END_ALLOW_THREADS
-    if (st != HE_OK)
-        return heb_raise_status(st);
-    Py_RETURN_NONE;
-}
-
-/* Several tables' fused updates in one call (a list of dicts, each
- * sparse_update_fused's keywords): he_sparse_update_fused_many. */
+/* The fused backward of one or several tables in one call (a list of
+ * dicts, each one table's keywords: heb_parse_fused): grad_reduce of each
+ * batch's Dedup straight into the optimizer's row update,
+ * he_sparse_update_fused_many. */
 static PyObject *heb_sparse_update_fused_many(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
@@ -364,7 +349,7 @@ static PyObject *heb_sparse_update_fused_many(PyObject *mod, PyObject *args, PyO
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(list, i);
         if (!PyDict_Check(item)) {
-            PyErr_Format(PyExc_TypeError, "updates[%zd] must be a dict of sparse_update_fused's keywords, got %.100s",
+            PyErr_Format(PyExc_TypeError, "updates[%zd] must be a dict of a fused update's keywords, got %.100s",
                          i, Py_TYPE(item)->tp_name);
             goto done;
         }
@@ -462,16 +447,11 @@ static PyMethodDef heb_cpu_methods[] = {
     {"renorm", HEB_KW_FUNC(heb_renorm), METH_VARARGS | METH_KEYWORDS,
      "renorm($module, /, *, table, num_rows, dim, dtype, dedup, max_norm, norm_type)\n--\n\n"
      "max_norm in place on the unique rows of dedup (a Dedup built for num_rows) of the table's HostBuffer"},
-    {"sparse_update_fused", HEB_KW_FUNC(heb_sparse_update_fused), METH_VARARGS | METH_KEYWORDS,
-     "sparse_update_fused($module, /, *, dedup, grad, padding_idx, scale_grad_by_freq, kind, weight, state, "
-     "num_rows, dim, lr, beta1, beta2, eps, lr_decay, step, maximize, weight_decay, bag_of, row_weights, "
-     "num_bags, dtype, grad_dtype, stochastic_rounding, seed)\n--\n\n"
-     "grad_reduce of grad ([dedup.count, dim] rows of he_dtype `grad_dtype`: the table's dtype or its compute "
-     "type) fed straight into the optimizer's row update: the same bits as the two calls, without writing the "
-     "sums out"},
     {"sparse_update_fused_many", HEB_KW_FUNC(heb_sparse_update_fused_many), METH_VARARGS | METH_KEYWORDS,
-     "sparse_update_fused_many(*, updates)\n--\n\nsparse_update_fused of several tables (a list of dicts of its "
-     "keywords), every one checked before any row is written; small ones side by side on the threads"},
+     "sparse_update_fused_many(*, updates)\n--\n\nThe fused backward and update of one or several tables (a list of "
+     "dicts: dedup, grad, padding_idx, scale_grad_by_freq, kind, weight, state, num_rows, dim, lr, beta1, beta2, eps, "
+     "lr_decay, step, maximize, weight_decay, bag_of, row_weights, num_bags, dtype, grad_dtype, "
+     "stochastic_rounding, seed), every one checked before any row is written; small ones side by side"},
     {"sparse_update", HEB_KW_FUNC(heb_sparse_update), METH_VARARGS | METH_KEYWORDS,
      "sparse_update($module, /, *, kind, weight, state, num_rows, dim, indices, values, nnz, lr, beta1, beta2, "
      "eps, lr_decay, step, maximize, weight_decay, dtype, values_dtype, stochastic_rounding, seed)\n--\n\n"

@@ -333,6 +333,14 @@ static void run_updates(void *ctx, int64_t begin, int64_t end)
     }
 }
 
+/* A failure of table i of count, its message prefixed with which. */
+static he_status name_table(he_status st, int64_t i, int64_t count, const char *message)
+{
+    char why[512];
+    snprintf(why, sizeof why, "%s", message);
+    return he_fail(st, "table %" PRId64 " of %" PRId64 ": %s", i, count, why);
+}
+
 he_status he_sparse_update_fused_many(const he_fused_update *updates, int64_t count)
 {
     if (count < 0)
@@ -342,11 +350,8 @@ he_status he_sparse_update_fused_many(const he_fused_update *updates, int64_t co
         const he_fused_update *f = &updates[i];
         update_ctx u;
         he_status st = prepare_fused(f->d, &f->opts, &f->hp, &f->weight, f->state, f->num_state, &u);
-        if (st != HE_OK) {
-            char why[512];
-            snprintf(why, sizeof why, "%s", he_last_error());
-            return he_fail(st, "table %" PRId64 " of %" PRId64 ": %s", i, count, why);
-        }
+        if (st != HE_OK)
+            return count > 1 ? name_table(st, i, count, he_last_error()) : st;
         /* As grad_reduce counts a job's memory traffic. */
         int64_t bytes = (f->d->count + 3 * f->d->num_unique) * f->weight.dim * (int64_t)he_dtype_size(f->opts.dtype);
         small &= bytes < HE_PARALLEL_MIN_BYTES;
@@ -364,7 +369,7 @@ he_status he_sparse_update_fused_many(const he_fused_update *updates, int64_t co
         run_updates(&job, 0, count);
     for (int64_t i = 0; i < count && st == HE_OK; i++)
         if (status[i] != HE_OK)
-            st = he_fail(status[i], "table %" PRId64 " of %" PRId64 ": %s", i, count, why[i]);
+            st = count > 1 ? name_table(status[i], i, count, why[i]) : he_fail(status[i], "%s", why[i]);
     free(status);
     free(why);
     return st;

@@ -54,7 +54,8 @@ typedef struct he_fused_update {
 
 /* he_sparse_update_fused of several tables (a model's tables after one
  * backward pass), the same bits as one call each. Every update is checked
- * before any row is written (an error names the table: "table k of n").
+ * before any row is written (an error names the table, "table k of n",
+ * when there are several).
  * When each is too small to be worth the threads on its own, the tables
  * are updated side by side, one thread a table; otherwise one after
  * another, each with every thread. */

@@ -164,7 +164,7 @@ def _apply(task):
         many = getattr(opt, "_fused_update_many", None)
         if many is not None:
             many(items)
-        else:  # SparseAdam: one table at a time
+        else:  # SparseAdam: one table at a time (its own _fused_update)
             for table, gradients in items:
                 opt._fused_update(table, gradients)
         for table, _ in items:

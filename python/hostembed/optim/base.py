@@ -122,41 +122,28 @@ class HostStep:
             self.state[p].update(record)
 
     def _fused_update_many(self, items):
-        """_fused_update of each (table, gradients) of one backward pass:
-        the tables whose update is the core's fused pass go to the core in
-        one call (small ones are updated side by side there)."""
-        if type(self)._fused_update is not HostStep._fused_update:
-            for table, gradients in items:
-                self._fused_update(table, gradients)
-            return
+        """The updates in backward (fused=True) of each (table, its lookup
+        gradients) one backward pass reached (_core/fused.py calls it at the
+        pass's end). A table looked up once on the CPU, the usual case, gets
+        the core's fused pass; those tables go to the core in one call
+        (small ones are updated side by side there)."""
         batch = []
         for table, gradients in items:
+            p, group = _fused.param_of(self, table)
             if len(gradients) == 1 and isinstance(gradients[0], _fused.CpuGradient):
-                p, group = _fused.param_of(self, table)
                 kind, state, hyper, record = self._host_args(p, table, group)
                 batch.append((p, record, (kind, p, state, gradients[0], hyper)))
             else:
-                self._fused_update(table, gradients)
+                # Several lookups of the table in one pass (one update of
+                # their summed gradient, as unfused), or GPU outputs (their
+                # sums copied to the host: these optimizers update on the CPU).
+                parts = [update_ops.reduce_to_host(table, g) for g in gradients]
+                self._host_update(p, table, group, torch.cat([i for i, _ in parts]),
+                                  torch.cat([v for _, v in parts]))
         update_ops.sparse_update_fused_many([update for _, _, update in batch])
         for p, record, _ in batch:
             if record:
                 self.state[p].update(record)
-
-    def _fused_update(self, table, gradients):
-        """The update of `table` in backward (fused=True) with the lookup
-        gradients of one backward pass (_core/fused.py calls it at its end)."""
-        p, group = _fused.param_of(self, table)
-        if len(gradients) == 1 and isinstance(gradients[0], _fused.CpuGradient):
-            kind, state, hyper, record = self._host_args(p, table, group)
-            update_ops.sparse_update_fused(kind, p, state, gradients[0], **hyper)
-            if record:
-                self.state[p].update(record)
-            return
-        # Several lookups of the table in one pass (one update of their
-        # summed gradient, as unfused), or GPU outputs (their sums copied
-        # to the host: these optimizers update on the CPU).
-        parts = [update_ops.reduce_to_host(table, g) for g in gradients]
-        self._host_update(p, table, group, torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
 
     def _torch_step(self):
         # torch's step without the hooks torch wraps around it: they ran

@@ -186,10 +186,7 @@ def sparse_update_fused_many(updates) -> None:
         for table in {id(t): t for t, _, _, _ in prepared}.values():
             held.enter_context(table.lock)
             table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
-        if len(prepared) == 1:
-            _C.sparse_update_fused(**prepared[0][2])
-        else:
-            _C.sparse_update_fused_many(updates=[args for _, _, args, _ in prepared])
+        _C.sparse_update_fused_many(updates=[args for _, _, args, _ in prepared])
         for table, ids, _, _ in prepared:
             table.rows_changed(ids)
 

@@ -75,8 +75,6 @@ def flatten(input, offsets, per_sample_weights, mode, include_last_offset, weigh
         offsets = checked_offsets.op(offsets, input.numel(), include_last_offset)
         in_bags = input.numel()
     elif core_checks_offsets:
-        if include_last_offset and offsets.numel() == 0:
-            _check_offsets(offsets, input.numel(), include_last_offset)
         in_bags = input.numel()
     else:
         in_bags = _check_offsets(offsets, input.numel(), include_last_offset)
