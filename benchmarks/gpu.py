@@ -33,6 +33,7 @@ from _common import (GIB, RESULTS_DIR, ZipfIds, fail, fmt_ms, log, machine_info,
 hostembed = require_hostembed()
 from hostembed._core import _C  # noqa: E402  (after the build check above)
 from hostembed._core.table import HostTable  # noqa: E402
+from hostembed.optim.update_choice import UpdateChooser  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -171,18 +172,43 @@ def step(emb, opt, ids, grad_out):
     opt.zero_grad()
 
 
-def time_steps(emb, opt, batches, grad_out, args, desc):
-    for i in range(args.warmup):
+def phased_step(emb, opt, ids, grad_out):
+    """One step with a device sync after each phase: seconds of forward,
+    backward (the update too, fused), step()."""
+    sync = torch.cuda.synchronize
+    t0 = time.perf_counter()
+    out = emb(ids)
+    sync()
+    t1 = time.perf_counter()
+    out.backward(grad_out)
+    sync()
+    t2 = time.perf_counter()
+    opt.step()
+    opt.zero_grad()
+    sync()
+    return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+
+def time_steps(emb, opt, batches, grad_out, args, desc, warmup=None):
+    """Medians of whole steps (no sync inside), then of each phase over as
+    many steps again (a sync after each phase)."""
+    warmup = args.warmup if warmup is None else warmup
+    for i in range(warmup):
         step(emb, opt, batches[i % len(batches)], grad_out)
     torch.cuda.synchronize()
     seconds = []
     for i in range(args.steps):
         t0 = time.perf_counter()
-        step(emb, opt, batches[(args.warmup + i) % len(batches)], grad_out)
+        step(emb, opt, batches[(warmup + i) % len(batches)], grad_out)
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
     r = summarize_ms(seconds)
-    log(f"{desc}: {fmt_ms(r['median_ms'])} ms/step")
+    phases = [phased_step(emb, opt, batches[(warmup + args.steps + i) % len(batches)], grad_out)
+              for i in range(args.steps)]
+    for k, name in enumerate(("forward", "backward", "step")):
+        r[f"{name}_ms"] = statistics.median(p[k] for p in phases) * 1e3
+    log(f"{desc}: {fmt_ms(r['median_ms'])} ms/step (forward {r['forward_ms']:.2f}, backward "
+        f"{r['backward_ms']:.2f}, step {r['step_ms']:.2f})")
     return r
 
 
@@ -227,21 +253,32 @@ def train_large(args, ceil):
     result = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "alpha": args.alpha,
               "table_and_state_bytes": need, "table_setup_s": setup_s,
               "unique_mean": statistics.mean(unique), "unique": unique, "modes": {}}
-    for mode in ("gpu", "cpu", "fused"):
+    for mode in ("gpu", "cpu", "auto", "fused"):
         # One set of moments throughout: a second would pin another 2 x table.
+        warmup = None
         if mode == "fused":
             fused = hostembed.SparseAdam(emb.parameters(), lr=args.lr, update="gpu", fused=True)
             fused.state = opt.state
             opt = fused
         else:
             opt.update = mode
-        r = time_steps(emb, opt, batches, grad_out, args, f"train {args.rows:,} rows, update={mode}")
-        expected = "gpu" if mode == "fused" else mode
+        if mode == "auto":
+            emb._table.update_chooser = None  # times both afresh
+            chooser = UpdateChooser
+            warmup = max(args.warmup, 2 * (chooser.WARMUP + chooser.TRIALS) + 1)
+        r = time_steps(emb, opt, batches, grad_out, args, f"train {args.rows:,} rows, update={mode}", warmup)
+        expected = {"fused": "gpu", "auto": None}.get(mode, mode)
+        if mode == "auto":
+            chooser = emb._table.update_chooser
+            if chooser is None or not chooser.settled:
+                fail(f"update=auto had not settled after {warmup} steps")
+            r["auto_choice"] = expected = chooser.choice
+            r["auto_trial_ms"] = {m: [x * 1e3 for x in s] for m, s in chooser.seconds.items()}
         if opt._last_update != expected:
             fail(f"update={mode} ran its step on the {opt._last_update}")
         if mode == "fused" and emb.weight.grad is not None:
             fail("SparseAdam(fused=True) left a weight.grad: the update did not run in backward")
-        bound = pcie_bound_ms(mode, result["unique_mean"], args.dim, ceil) if ceil else None
+        bound = pcie_bound_ms(r.get("auto_choice", mode), result["unique_mean"], args.dim, ceil) if ceil else None
         r["pcie_bound_ms"] = bound
         r["of_pcie_bound"] = bound / r["median_ms"] if bound else None
         result["modes"][mode] = r
@@ -315,13 +352,14 @@ def print_report(args, report):
         print(f"Training step, table in host memory: {train['rows']:,} rows x D={train['dim']} "
               f"({train['table_and_state_bytes'] / GIB:.1f} GiB with Adam state), {train['batch']:,} lookups "
               f"Zipf({train['alpha']}), {train['unique_mean']:,.0f} unique rows per step:\n")
-        print("| update | ms/step median | min | max | PCIe bound ms | % of bound |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| update | ms/step median | min | max | forward | backward | step() | PCIe bound ms | % of bound |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for mode, r in train["modes"].items():
             bound = f"{r['pcie_bound_ms']:.2f}" if r["pcie_bound_ms"] else "n/a"
             share = f"{r['of_pcie_bound']:.0%}" if r["of_pcie_bound"] else "n/a"
-            print(f"| {mode} | {fmt_ms(r['median_ms'])} | {fmt_ms(r['min_ms'])} | {fmt_ms(r['max_ms'])} "
-                  f"| {bound} | {share} |")
+            name = f"auto (chose {r['auto_choice']})" if "auto_choice" in r else mode
+            print(f"| {name} | {fmt_ms(r['median_ms'])} | {fmt_ms(r['min_ms'])} | {fmt_ms(r['max_ms'])} "
+                  f"| {r['forward_ms']:.2f} | {r['backward_ms']:.2f} | {r['step_ms']:.2f} | {bound} | {share} |")
         print()
     fit = report.get("fit")
     if fit:

@@ -19,7 +19,9 @@
 # (training benchmark table rows, default 60000000), BUDGET_S (wall-clock
 # budget, default 530: each stage gets at most its own limit and what is
 # left of the budget), SANITIZER (compute-sanitizer's path; default: PATH,
-# then the toolkit's bin).
+# then the toolkit's bin), SKIP (stage names not to run, space-separated:
+# a short lease runs the most important ones first), GPU_ARGS (more
+# arguments for benchmarks/gpu.py, e.g. "--skip gather").
 # Exit status: 0 only when every stage ran and passed.
 set -uo pipefail
 OUT=${1:?usage: benchmarks/gpu_check.sh OUTDIR}
@@ -36,7 +38,7 @@ FAILED=0
 
 # The variables that change what a stage does, as `env` would take them.
 relevant_env() {
-    env | grep -E '^(HOSTEMBED_|PYTORCH_|CUDA_|NVIDIA_|OMP_|MKL_|PYTHONPATH=|PYTHON=|ROWS=|BUDGET_S=|SANITIZER=)' \
+    env | grep -E '^(HOSTEMBED_|PYTORCH_|CUDA_|NVIDIA_|OMP_|MKL_|PYTHONPATH=|PYTHON=|ROWS=|BUDGET_S=|SANITIZER=|SKIP=|GPU_ARGS=)' \
         | LC_ALL=C sort
 }
 
@@ -44,6 +46,11 @@ relevant_env() {
 run() {
     local name=$1 limit=$2 start rc left
     shift 2
+    if [[ " ${SKIP:-} " == *" $name "* ]]; then
+        STAGES+=("$name|skipped (SKIP)|0")
+        echo "# $name: not run (SKIP)" >> "$OUT/commands.log"
+        return 0
+    fi
     start=$(date +%s)
     left=$(( DEADLINE - start ))
     (( left < limit )) && limit=$left
@@ -179,7 +186,23 @@ fi
 # this tree's build failed.
 if (( BUILT )); then
     run import 60 "$PY" -c "import hostembed as h; print(h.__file__, 'cuda_compiled', h.cuda_compiled(), 'cuda_available', h.cuda_available()); assert h.cuda_available()"
-    run gpu_tests 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider
+    run gpu_tests 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --durations 15
+    # The most telling stages first: a short lease may end before the rest.
+    # shellcheck disable=SC2086  # GPU_ARGS is a list of words
+    run benchmark 330 "$PY" benchmarks/gpu.py --rows "$ROWS" --json "$OUT/gpu.json" ${GPU_ARGS:-}
+    run cache_benchmark 330 "$PY" benchmarks/cache_step.py --rows "$ROWS" --prefetch --json "$OUT/cache_step.json"
+    SANITIZER=${SANITIZER:-$(command -v compute-sanitizer)}
+    for dir in "${CUDA_HOME:-/usr/local/cuda}/bin" /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
+        [[ -z $SANITIZER && -x $dir/compute-sanitizer ]] && SANITIZER=$dir/compute-sanitizer
+    done
+    if [[ -n $SANITIZER ]]; then
+        run sanitizer 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool memcheck --error-exitcode 1 \
+            --leak-check no "$PY" benchmarks/gpu_sanitize.py
+        run racecheck 150 "$SANITIZER" --tool racecheck --error-exitcode 1 "$PY" benchmarks/gpu_sanitize.py
+    else
+        STAGES+=("sanitizer|NOT RUN: compute-sanitizer not found (set SANITIZER=path)|0")
+        FAILED=1
+    fi
     # The GPU tests again without torch's caching allocator: every output
     # and workspace is then a fresh cudaMalloc, so a kernel that writes
     # nothing cannot pass on a buffer an earlier lookup left the right rows
@@ -189,19 +212,6 @@ if (( BUILT )); then
     run gpu_tests_no_caching 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
         "$PY" -m pytest -q -m gpu -k "not big_table" -rs -p no:cacheprovider
     run other_tests 150 "$PY" -m pytest -q -m "not gpu" -rs -p no:cacheprovider
-    SANITIZER=${SANITIZER:-$(command -v compute-sanitizer)}
-    for dir in "${CUDA_HOME:-/usr/local/cuda}/bin" /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
-        [[ -z $SANITIZER && -x $dir/compute-sanitizer ]] && SANITIZER=$dir/compute-sanitizer
-    done
-    if [[ -n $SANITIZER ]]; then
-        run sanitizer 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool memcheck --error-exitcode 1 \
-            --leak-check no "$PY" benchmarks/gpu_sanitize.py
-    else
-        STAGES+=("sanitizer|NOT RUN: compute-sanitizer not found (set SANITIZER=path)|0")
-        FAILED=1
-    fi
-    run benchmark 330 "$PY" benchmarks/gpu.py --rows "$ROWS" --json "$OUT/gpu.json"
-    run cache_benchmark 330 "$PY" benchmarks/cache_step.py --rows "$ROWS" --prefetch --json "$OUT/cache_step.json"
 else
     STAGES+=("everything else|skipped: no build succeeded|0")
     FAILED=1
@@ -223,7 +233,7 @@ for name in gpu_tests gpu_tests_no_caching other_tests; do
     # pytest's last line: "3 failed, 80 passed, 2 skipped, ... in 12.01s"
     [[ -f $OUT/$name.log ]] && echo "$name: $(grep -E '^=* ?[0-9]+ [a-z]+.* in [0-9.]+s' "$OUT/$name.log" | tail -n 1)"
 done
-grep -h "ERROR SUMMARY" "$OUT/sanitizer.log" 2>/dev/null
+grep -H "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT/sanitizer.log" "$OUT/racecheck.log" 2>/dev/null
 [[ -f $OUT/benchmark.log ]] && sed -n '/^## hostembed GPU path/,$p' "$OUT/benchmark.log"
 [[ -f $OUT/cache_benchmark.log ]] && sed -n '/^## row cache/,$p' "$OUT/cache_benchmark.log"
 if (( FAILED )); then
