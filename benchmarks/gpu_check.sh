@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU path needs checked, on a GPU machine without network:
-# build, GPU tests (twice: the second time without torch's caching
-# allocator), the rest of the test suite, compute-sanitizer, the GPU
-# benchmarks. Logs go to OUTDIR; a short table is printed last.
+# build, GPU tests, the GPU benchmarks and a profile of the step,
+# compute-sanitizer (memcheck, racecheck), the GPU tests again without
+# torch's caching allocator, the rest of the test suite. Logs go to OUTDIR; a short table is printed last.
 #
 #   benchmarks/gpu_check.sh OUTDIR
 #
@@ -191,6 +191,7 @@ if (( BUILT )); then
     # shellcheck disable=SC2086  # GPU_ARGS is a list of words
     run benchmark 330 "$PY" benchmarks/gpu.py --rows "$ROWS" --json "$OUT/gpu.json" ${GPU_ARGS:-}
     run cache_benchmark 330 "$PY" benchmarks/cache_step.py --rows "$ROWS" --prefetch --json "$OUT/cache_step.json"
+    run profile 150 "$PY" benchmarks/gpu_profile.py
     SANITIZER=${SANITIZER:-$(command -v compute-sanitizer)}
     for dir in "${CUDA_HOME:-/usr/local/cuda}/bin" /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
         [[ -z $SANITIZER && -x $dir/compute-sanitizer ]] && SANITIZER=$dir/compute-sanitizer
