@@ -85,7 +85,8 @@ def run(emb, opt, batches, grad_out, args, device):
 
     def step(i):
         emb(order[i]).backward(grad_out)
-        if args.prefetch:
+        if args.prefetch and (emb.cache_rows or device.type == "cpu"):
+            # Planned ahead in the cache; without one, prefetch is for CPU outputs.
             emb.prefetch(order[i + 1])
         opt.step()
         opt.zero_grad()

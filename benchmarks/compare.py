@@ -21,9 +21,12 @@ in every case. The contenders differ only in the tables:
   7. hostembed.Embedding + torch.optim.Adam: the plain swap with the dense
      optimizer kept; hostembed steps the tables over every row without a
      dense gradient, with torch's results
+  8. hostembed.Embedding(cache_rows=...) + SparseAdam(fused=True), with GPU
+     outputs: a row cache in GPU memory of --cache-fraction of each
+     table's rows, the rest in host memory
 
 Every contender starts from the same weights and trains on the same
-batches. Contenders 2-5 (SparseAdam) must follow the same loss curve to
+batches. Contenders 2-5 and 8 (SparseAdam) must follow the same loss curve to
 float rounding, and so must 1, 6 and 7 (dense Adam, fewer steps), or the
 script fails without reporting timings.
 
@@ -124,6 +127,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of every optimizer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=usable_cpus(), help="torch and hostembed threads")
+    p.add_argument("--cache-fraction", type=float, default=0.2,
+                   help="contender 8: rows of each table its GPU row cache holds, as a fraction")
     p.add_argument("--device", default="auto", help="output device: auto (cuda if available, else cpu), cpu, cuda[:N]")
     p.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON and the plots")
     args = p.parse_args(argv)
@@ -134,6 +139,8 @@ def parse_args(argv=None):
         p.error("--users, --items, --dim, --hidden, --batch, --steps, --warmup and --threads must be >= 1")
     if args.adam_steps < 0:
         p.error("--adam-steps must be >= 0")
+    if not 0 < args.cache_fraction <= 1:
+        p.error("--cache-fraction must be in (0, 1]")
     try:
         args.device = output_device(args.device)
     except (RuntimeError, ValueError) as exc:
@@ -267,6 +274,10 @@ def _hostembed_table(rows, cfg, out_device):
     return hostembed.Embedding(rows, cfg.dim, device=out_device)
 
 
+def _hostembed_cached_table(rows, cfg, out_device):
+    return hostembed.Embedding(rows, cfg.dim, device=out_device, cache_rows=max(1, int(cfg.cache_fraction * rows)))
+
+
 TORCH_ADAM = Contender(1, "torch_adam", "torch nn.Embedding (CPU) + torch.optim.Adam (dense)",
                        _torch_table, torch.optim.Adam, dense=True, host_bytes=DENSE_ADAM_BYTES)
 TORCH_SPARSE = Contender(2, "torch_sparse_cpu", "torch nn.Embedding(sparse=True) (CPU) + torch.optim.SparseAdam",
@@ -282,8 +293,11 @@ TORCH_ADAM_FUSED = Contender(6, "torch_adam_fused", "torch nn.Embedding (CPU) + 
                              host_bytes=DENSE_ADAM_BYTES)
 SWAP_ADAM = Contender(7, "hostembed_adam", "hostembed.Embedding + torch.optim.Adam (dense, plain swap)",
                       _hostembed_table, torch.optim.Adam, dense=True)
-CONTENDERS = (TORCH_ADAM, TORCH_SPARSE, TORCH_GPU, HOSTEMBED, HOSTEMBED_FUSED, TORCH_ADAM_FUSED, SWAP_ADAM)
-AGREEING = (TORCH_SPARSE, TORCH_GPU, HOSTEMBED, HOSTEMBED_FUSED)  # must follow the same loss curve
+HOSTEMBED_CACHED = Contender(8, "hostembed_cached", "hostembed.Embedding(cache_rows) + SparseAdam(fused=True), GPU cache",
+                             _hostembed_cached_table, functools.partial(hostembed.SparseAdam, fused=True))
+CONTENDERS = (TORCH_ADAM, TORCH_SPARSE, TORCH_GPU, HOSTEMBED, HOSTEMBED_FUSED, TORCH_ADAM_FUSED, SWAP_ADAM,
+              HOSTEMBED_CACHED)
+AGREEING = (TORCH_SPARSE, TORCH_GPU, HOSTEMBED, HOSTEMBED_FUSED, HOSTEMBED_CACHED)  # must follow the same loss curve
 DENSE = (TORCH_ADAM, TORCH_ADAM_FUSED, SWAP_ADAM)                # and these the same one of dense Adam
 
 
@@ -310,6 +324,8 @@ def skip_reason(contender, cfg, out_device) -> Optional[str]:
     elements = (cfg.users + cfg.items) * cfg.dim
     if contender.dense and cfg.adam_steps == 0:
         return "--adam-steps 0"
+    if contender is HOSTEMBED_CACHED and out_device.type != "cuda":
+        return "a row cache in GPU memory needs GPU outputs"
     if contender.dense:
         gradients = " and dense gradients" if contender.host_bytes > SPARSE_ADAM_BYTES else ""
         return _host_shortfall(contender.host_bytes * elements,

@@ -235,8 +235,11 @@ class SparseAdam(torch.optim.SparseAdam):
         if len(gradients) > 1:
             # One update of the summed gradient, as unfused: the reduced
             # gradients concatenated in the order autograd would have
-            # accumulated them; the core sums repeated rows in that order.
-            parts = [update_ops.reduce_to_host(table, g) for g in gradients]
+            # accumulated them; the core (or a cache) sums repeated rows in
+            # that order. A cache in GPU memory takes GPU sums as they are.
+            on_gpu = table.cache is not None and table.cache.device.type == "cuda" and \
+                all(isinstance(g, _fused.GpuGradient) and g.values.device == table.cache.device for g in gradients)
+            parts = [g.wait() if on_gpu else update_ops.reduce_to_host(table, g) for g in gradients]
             indices, values = torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
             update_ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
             self._last_update = "cpu" if table.cache is None else "cache"
