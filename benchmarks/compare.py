@@ -595,7 +595,7 @@ def plot_losses(cfg, results, agreement):
     ran = [c for c in CONTENDERS if "losses" in results[c.key]]
     styles = {1: ("tab:red", "-", "o"), 2: ("tab:orange", "-", None), 3: ("tab:green", "--", None),
               4: ("tab:blue", ":", None), 5: ("tab:purple", "-.", None), 6: ("tab:brown", "-", "s"),
-              7: ("tab:cyan", ":", "^")}
+              7: ("tab:cyan", ":", "^"), 8: ("tab:olive", "--", "x")}
 
     def draw(plt):
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(2, 1))
