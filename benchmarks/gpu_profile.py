@@ -37,6 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=4, help="profiled steps per set-up")
     p.add_argument("--top", type=int, default=14, help="rows of each table")
     p.add_argument("--setups", default=",".join(SETUPS))
+    p.add_argument("--prefetch", action="store_true", help="with a cache, plan each batch a step ahead")
     return p.parse_args(argv)
 
 
@@ -70,6 +71,9 @@ def main(argv=None):
                 out = emb(ids)
             with record_function("## backward") if marks else _nothing():
                 out.backward(grad_out)
+            if args.prefetch and emb.cache_rows:
+                with record_function("## prefetch") if marks else _nothing():
+                    emb.prefetch(batches[(i + 1) % len(batches)])
             with record_function("## step") if marks else _nothing():
                 opt.step()
                 opt.zero_grad()

@@ -34,6 +34,16 @@ def plan_ahead(table, ids) -> None:
     its fetches started (those waiting for this step's update excepted)."""
     finish_planned(table)
     cache = table.cache
+    if cache.device.type == "cuda":
+        # The lookup dedups on the GPU and takes a plan made for the same
+        # distinct rows (_gpu_plan): only those are needed, found on the
+        # GPU too rather than by a dedup of the whole batch on the CPU. An
+        # id outside the table raises IndexError in the planner.
+        check_ids(ids)
+        unique = torch.unique(ids.to(cache.device)).to("cpu", torch.int64)
+        with table.lock:
+            table.planned = _Planned(None, None, unique, None, cache.plan(unique))
+        return
     ids = prepare_ids(ids).clone()  # the caller may refill its tensor before the lookup
     dedup, unique, inverse = cpu_ops.dedup_ids(ids, table.num_rows)
     with table.lock:
@@ -53,7 +63,10 @@ def _batch(table, ids):
     """(dedup, unique, inverse, plan) of the lookup of `ids`: the batch
     planned ahead if it is these ids, else planned now."""
     planned = finish_planned(table)
-    if planned is not None and planned.ids.shape == ids.shape and torch.equal(planned.ids, ids):
+    # A plan made for GPU records has no ids (plan_ahead): records moved to
+    # host memory since then leave it untaken.
+    if planned is not None and planned.ids is not None and planned.ids.shape == ids.shape \
+            and torch.equal(planned.ids, ids):
         table.prefetch_outcome = "taken: planned ahead"
         return planned.dedup, planned.unique, planned.inverse, planned.plan
     dedup, unique, inverse = cpu_ops.dedup_ids(ids, table.num_rows)
