@@ -278,3 +278,25 @@ def test_concurrent_python_threads_get_correct_results():
     for t in threads:
         t.join()
     assert not failures
+
+
+def test_a_dropped_module_leaves_no_table_behind():
+    # The parameter -> table registry is weak on the parameter: dropping
+    # the module frees its table, and a new tensor that gets a dead
+    # parameter's id() is no table's weight.
+    import gc
+    import weakref
+
+    from hostembed._core import table as tables
+
+    before = len(tables._tables)
+    emb = hostembed.Embedding(100, 4)
+    table = weakref.ref(emb._table)
+    assert len(tables._tables) == before + 1 and tables.table_of(emb.weight) is emb._table
+    dead_id = id(emb.weight)
+    del emb
+    gc.collect()
+    assert table() is None and len(tables._tables) == before
+    fresh = [torch.nn.Parameter(torch.zeros(100, 4)) for _ in range(200)]
+    assert all(tables.table_of(p) is None for p in fresh)
+    assert dead_id not in tables._tables._entries

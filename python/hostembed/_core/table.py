@@ -16,7 +16,6 @@ import warnings
 import weakref
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _C
 
@@ -42,9 +41,38 @@ def check_table_dtype(dtype, who):
         raise TypeError(f"{who}: a host table is float32, float16, bfloat16 or float64; dtype={dtype} is not "
                         "supported")
 
-# Parameter -> its HostTable. Weak on the parameter; the table never refers
-# back to it, so a dropped module frees the table.
-_tables = WeakIdKeyDictionary()
+class _TablesOfParameters:
+    """Parameter -> its HostTable, weak on the parameter; the table never
+    refers back to it, so a dropped module frees the table. Keyed by id()
+    and checked against a weak reference: every op and optimizer step
+    looks tables up, and torch's WeakIdKeyDictionary takes ~1.5 us a
+    lookup where this takes ~0.15."""
+
+    def __init__(self):
+        self._entries = {}  # id(param) -> (weak reference to param, table)
+
+    def get(self, param):
+        entry = self._entries.get(id(param))
+        return entry[1] if entry is not None and entry[0]() is param else None
+
+    def __setitem__(self, param, table):
+        key, entries = id(param), self._entries
+
+        def forget(ref):
+            # Only this parameter's entry: its id may already be another's.
+            if entries.get(key, (None,))[0] is ref:
+                del entries[key]
+
+        entries[key] = (weakref.ref(param, forget), table)
+
+    def keys(self):
+        return [p for p in (ref() for ref, _ in list(self._entries.values())) if p is not None]
+
+    def __len__(self):
+        return len(self.keys())
+
+
+_tables = _TablesOfParameters()
 # The address of a table's rows -> the table: the ops find a table from
 # whatever tensor object torch hands them (the parameter itself in eager
 # mode and, so far, under torch.compile too; an alias of it otherwise).

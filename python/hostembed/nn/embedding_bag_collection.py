@@ -45,8 +45,9 @@ class EmbeddingBagCollection(nn.ModuleList):
         offsets = _per_table(offsets, count, "offsets")
         per_sample_weights = _per_table(per_sample_weights, count, "per_sample_weights")
         outputs = [None] * count
+        modules = list(self._modules.values())
         pooled, specs, weights, sample_weights = [], [], [], []
-        for k, module in enumerate(self):
+        for k, module in enumerate(modules):
             if not (type(module).forward is EmbeddingBag.forward and module._pools_on_cpu()
                     and max_norm_of(module) is None):
                 outputs[k] = module(inputs[k], offsets[k], per_sample_weights[k])
@@ -56,14 +57,19 @@ class EmbeddingBagCollection(nn.ModuleList):
             padding_idx = -1 if module.padding_idx is None else module.padding_idx
             specs.append((ids, offs, last, padding_idx, module.mode == "mean", module.scale_grad_by_freq,
                           module._sparse_gradient()))
-            weights.append(module.weight)
+            # The parameter itself: module.weight would check the process
+            # and flush a cache again, which _prepare_weight just did.
+            weights.append(module._parameters["weight"])
             sample_weights.append(psw)
             pooled.append(k)
         if pooled:
             for k, out in zip(pooled, _bag_cpu.PooledTables.apply(specs, *weights, *sample_weights)):
-                module = self[k]
-                module._last_lookup_path = "pooled"
-                outputs[k] = out.to(module.output_device)
+                module = modules[k]
+                # Not through nn.Module.__setattr__ (a plain attribute; its
+                # checks cost more than the rest of a small table's call).
+                module.__dict__["_last_lookup_path"] = "pooled"
+                device = module._output_device
+                outputs[k] = out if device.type == "cpu" else out.to(device)
         return outputs
 
     def _get_name(self):

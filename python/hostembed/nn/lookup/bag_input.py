@@ -19,6 +19,34 @@ def check_options(mode, scale_grad_by_freq):
         raise ValueError("max mode does not support scaling the gradient by the frequency")
 
 
+_FIXED_OFFSETS = {}
+
+
+def _fixed_offsets(bags, length, dtype, device):
+    """The offsets of `bags` bags of `length` ids each (a 2-D input), made
+    once per shape: a model calls with the same batch shape every step.
+    Nothing writes offsets, so one tensor serves every call; never one from
+    a trace (torch.compile: its tensors are the graph's)."""
+    if torch.compiler.is_compiling():
+        return _offsets_of_fixed_bags(bags, length, dtype, device)
+    # An inference tensor cannot be saved for a backward outside
+    # inference mode (torch's own pooling saves the offsets): one per mode.
+    key = (bags, length, dtype, device, torch.is_inference_mode_enabled())
+    offsets = _FIXED_OFFSETS.get(key)
+    if offsets is None:
+        offsets = _offsets_of_fixed_bags(bags, length, dtype, device)
+        if len(_FIXED_OFFSETS) >= 64:  # a few shapes at a time in practice
+            _FIXED_OFFSETS.clear()
+        _FIXED_OFFSETS[key] = offsets
+    return offsets
+
+
+def _offsets_of_fixed_bags(bags, length, dtype, device):
+    # torch.arange refuses step 0 (bags of length 0): every bag starts at 0.
+    return (torch.arange(0, bags * length, max(length, 1), dtype=dtype, device=device)
+            if length else torch.zeros(bags, dtype=dtype, device=device))
+
+
 def flatten(input, offsets, per_sample_weights, mode, include_last_offset, weights_dtype=torch.float32,
             core_checks_offsets=False):
     """(ids [n], offsets [bags or bags + 1], per_sample_weights [n] or None,
@@ -49,10 +77,7 @@ def flatten(input, offsets, per_sample_weights, mode, include_last_offset, weigh
                 "if input is 2D, then offsets has to be None, as input is treated is a mini-batch of fixed "
                 f"length sequences. However, found offsets of type {type(offsets)}"
             )
-        bags, length = input.shape
-        # torch.arange refuses step 0 (bags of length 0): every bag starts at 0.
-        offsets = (torch.arange(0, bags * length, max(length, 1), dtype=input.dtype, device=input.device)
-                   if length else torch.zeros(bags, dtype=input.dtype, device=input.device))
+        offsets = _fixed_offsets(*input.shape, input.dtype, input.device)
         include_last_offset = False
         input = input.reshape(-1)
         if per_sample_weights is not None:
