@@ -79,12 +79,12 @@ class Embedding(HostTableModule, nn.Embedding):
             self._prepare_weight()
         if self._table.cache is not None:
             if not compiling:
-                self._last_lookup_path = "cache"
+                self._record_path("cache")
             return _lookup_cached.lookup(self, input)
         gpu = self._output_device.type == "cuda" and self._table.kernels_read_it
         out = (_lookup_gpu if gpu else _lookup_cpu).lookup(self, input)
         if not compiling:
-            self._last_lookup_path = "gpu" if gpu else "cpu"
+            self._record_path("gpu" if gpu else "cpu")
         return out
 
     def prefetch(self, ids: torch.Tensor) -> None:

@@ -59,11 +59,13 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
         gpu = self._output_device.type == "cuda" and self._table.kernels_read_it
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
         if self._pools_on_cpu():
+            # The parameter itself: self.weight would redo _prepare_weight's checks.
             out = _bag_cpu.PooledLookup.apply(
-                self.weight, ids, offsets, per_sample_weights, self.mode, include_last_offset, padding_idx,
+                self._parameters["weight"], ids, offsets, per_sample_weights, self.mode, include_last_offset, padding_idx,
                 max_norm_of(self), float(self.norm_type), self.scale_grad_by_freq, self._sparse_gradient())
-            self._last_lookup_path = "cpu"
-            return out.to(self._output_device)
+            self._record_path("cpu")
+            device = self._output_device
+            return out if device.type == "cpu" else out.to(device)
         if compiling:
             return self._traced_bags(ids, offsets, per_sample_weights, include_last_offset, gpu, padding_idx)
         unique, inverse = self._unique(ids, gpu)
@@ -71,7 +73,7 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
         # the lookup; its backward sums the rows' gradients into the table's.
         rows = (_lookup_gpu if gpu else _lookup_cpu).lookup(self, unique, scale_grad_by_freq=False)
         if not compiling:
-            self._last_lookup_path = "gpu" if gpu else "cpu"
+            self._record_path("gpu" if gpu else "cpu")
         device = rows.device
         inverse = inverse.to(device)
         if self.scale_grad_by_freq and rows.requires_grad:

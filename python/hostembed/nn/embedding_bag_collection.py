@@ -65,9 +65,7 @@ class EmbeddingBagCollection(nn.ModuleList):
         if pooled:
             for k, out in zip(pooled, _bag_cpu.PooledTables.apply(specs, *weights, *sample_weights)):
                 module = modules[k]
-                # Not through nn.Module.__setattr__ (a plain attribute; its
-                # checks cost more than the rest of a small table's call).
-                module.__dict__["_last_lookup_path"] = "pooled"
+                module._record_path("pooled")
                 device = module._output_device
                 outputs[k] = out if device.type == "cpu" else out.to(device)
         return outputs

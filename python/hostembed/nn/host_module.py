@@ -192,6 +192,12 @@ class HostTableModule:
         self._table.bind(weight)
         self._make_cache()
 
+    def _record_path(self, path) -> None:
+        """Notes which path the last lookup took (tests and benchmarks read
+        _last_lookup_path). A plain attribute, set without
+        nn.Module.__setattr__, whose checks cost more than a small lookup."""
+        self.__dict__["_last_lookup_path"] = path
+
     @property
     def output_device(self) -> torch.device:
         """Where forward's outputs land (the table itself stays in host memory)."""
