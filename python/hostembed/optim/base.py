@@ -85,13 +85,6 @@ class HostStep:
     # AdamW keep torch's meaning (its fused kernel for the other parameters).
     _fused_in_backward = True
 
-    def _host_params(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                table = table_of(p)
-                if table is not None and p.grad is not None:
-                    yield p, table, group
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -100,16 +93,28 @@ class HostStep:
                 loss = closure()
         _fused.step_taken(self)
         # Every host gradient is checked before anything is updated.
-        host = [(p, table, group, row_sparse_gradient(p, table, self._name))
-                for p, table, group in self._host_params()]
-        hidden = [(p, p.grad) for p, _, _, _ in host]
-        for p, _ in hidden:
-            p.grad = None
-        try:
-            self._torch_step()
-        finally:
-            for p, grad in hidden:
-                p.grad = grad
+        host, others = [], False
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                table = table_of(p)
+                if table is None:
+                    others = True
+                else:
+                    host.append((p, table, group, row_sparse_gradient(p, table, self._name)))
+        if others:
+            # torch's step for the other parameters (it skips those without
+            # a gradient, so it is not called when only tables have one: its
+            # loops cost as much as a small table's update).
+            hidden = [(p, p.grad) for p, _, _, _ in host]
+            for p, _ in hidden:
+                p.grad = None
+            try:
+                self._torch_step()
+            finally:
+                for p, grad in hidden:
+                    p.grad = grad
         for p, table, group, (indices, values) in host:
             self._host_update(p, table, group, indices, values)
         return loss
