@@ -293,7 +293,8 @@ TORCH_ADAM_FUSED = Contender(6, "torch_adam_fused", "torch nn.Embedding (CPU) + 
                              host_bytes=DENSE_ADAM_BYTES)
 SWAP_ADAM = Contender(7, "hostembed_adam", "hostembed.Embedding + torch.optim.Adam (dense, plain swap)",
                       _hostembed_table, torch.optim.Adam, dense=True)
-HOSTEMBED_CACHED = Contender(8, "hostembed_cached", "hostembed.Embedding(cache_rows) + SparseAdam(fused=True), GPU cache",
+HOSTEMBED_CACHED = Contender(8, "hostembed_cached",
+                             "hostembed.Embedding(cache_rows) + SparseAdam(fused=True), GPU cache",
                              _hostembed_cached_table, functools.partial(hostembed.SparseAdam, fused=True))
 CONTENDERS = (TORCH_ADAM, TORCH_SPARSE, TORCH_GPU, HOSTEMBED, HOSTEMBED_FUSED, TORCH_ADAM_FUSED, SWAP_ADAM,
               HOSTEMBED_CACHED)

@@ -61,8 +61,9 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
         if self._pools_on_cpu():
             # The parameter itself: self.weight would redo _prepare_weight's checks.
             out = _bag_cpu.PooledLookup.apply(
-                self._parameters["weight"], ids, offsets, per_sample_weights, self.mode, include_last_offset, padding_idx,
-                max_norm_of(self), float(self.norm_type), self.scale_grad_by_freq, self._sparse_gradient())
+                self._parameters["weight"], ids, offsets, per_sample_weights, self.mode, include_last_offset,
+                padding_idx, max_norm_of(self), float(self.norm_type), self.scale_grad_by_freq,
+                self._sparse_gradient())
             self._record_path("cpu")
             device = self._output_device
             return out if device.type == "cpu" else out.to(device)
