@@ -13,7 +13,7 @@ PACKAGE = os.path.dirname(os.path.abspath(hostembed.__file__))
 
 # Bottom to top; a layer imports only from layers with a lower rank, and
 # layers of one rank not from each other.
-RANKS = {"_core": 0, "_cache": 1, "io": 1, "nn": 2, "optim": 2, "": 3}
+RANKS = {"_core": 0, "_cache": 1, "io": 1, "nn": 2, "optim": 2, "": 3, "distributed": 3}
 
 
 def _modules():

@@ -5,6 +5,9 @@ optimizer state live in host memory, with a threaded SIMD C core doing the
 lookups and the updates in place.
 
 The package, by layer (each imports only from the layers below it):
+  distributed/  ShardedEmbedding: a table's rows over the ranks of a
+           torch.distributed group (imported on its own, beside this
+           module's layer)
   nn/      Embedding, EmbeddingBag, EmbeddingBagCollection,
            replace_embeddings, clip_grad_norm_; the lookup paths
            (nn/lookup/)

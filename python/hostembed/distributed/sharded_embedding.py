@@ -1,0 +1,127 @@
+"""ShardedEmbedding: one table's rows spread over the ranks of a
+torch.distributed process group, each rank holding its contiguous range in
+a hostembed.Embedding of its own (its shard)."""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._core.ids import prepare_ids
+from ..nn.embedding import Embedding
+from ..nn.host_module import padding_index
+from .exchange import ExchangeRows, exchange, split_by_owner
+
+WHO = "hostembed.distributed.ShardedEmbedding"
+
+
+class ShardedEmbedding(nn.Module):
+    r"""An embedding table too big for one process: rank r of the process
+    group holds rows ``[r * N // W, (r + 1) * N // W)`` of the ``N``-row
+    table (``W`` ranks) in a :class:`hostembed.Embedding` of its own,
+    ``self.shard``, and its optimizer updates only those rows.
+
+    ``forward(ids)`` takes each rank's own ids and returns ``table[ids]``
+    on the CPU, as ``nn.Embedding`` would. Each rank's distinct ids go to
+    the ranks that own them (one all-to-all), the owners look them up in
+    their shards, and the rows come back (another); backward sends each
+    row's gradient to its owner, where the shard's backward sums what every
+    rank sent, so a shard's gradient is that of the sum of the ranks'
+    losses (as with TorchRec's row-wise sharding; DDP would average dense
+    gradients instead). Every rank must call forward and backward the same
+    number of times, in the same order, like any collective.
+
+    Train the shard with any hostembed optimizer (``fused=True`` too) over
+    ``module.parameters()``; keep the table out of
+    ``DistributedDataParallel`` with :func:`exclude_from_ddp`. An id outside
+    the table on any rank raises ``IndexError`` on every rank, naming the
+    id and the rank, before anything is looked up. Every rank must build
+    the same table (``ValueError`` otherwise, on every rank).
+
+    Arguments as :class:`hostembed.Embedding` (``num_embeddings``,
+    ``embedding_dim``, ``padding_idx``, ``sparse``, ``dtype``), and
+    ``process_group`` (default: the world). A new table's shards are drawn
+    N(0, 1) rank by rank; :meth:`from_pretrained` shards given values.
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, *, process_group=None, sparse=True,
+                 dtype=None, _weight=None):
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"{WHO} needs torch.distributed initialised first (torch.distributed."
+                               "init_process_group)")
+        group = process_group if process_group is not None else dist.group.WORLD
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        padding_idx = padding_index(padding_idx, num_embeddings)
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        spec = (int(num_embeddings), int(embedding_dim), padding_idx, str(dtype), bool(sparse))
+        specs = [None] * world
+        dist.all_gather_object(specs, spec, group=group)
+        if any(s != specs[0] for s in specs):
+            described = "; ".join(f"rank {r}: (num_embeddings, embedding_dim, padding_idx, dtype, sparse) = {s}"
+                                  for r, s in enumerate(specs))
+            raise ValueError(f"{WHO}: every rank must build the same table, got {described}")
+        if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
+            raise ValueError(f"{WHO}: the table's values must be [{num_embeddings}, {embedding_dim}], got "
+                             f"{list(_weight.shape)}")
+        self.num_embeddings, self.embedding_dim, self.padding_idx = int(num_embeddings), int(embedding_dim), padding_idx
+        self.process_group, self.rank, self.world_size = group, rank, world
+        bounds = [self.num_embeddings * r // world for r in range(world + 1)]
+        self._bounds = torch.tensor(bounds, dtype=torch.int64)
+        start, end = bounds[rank], bounds[rank + 1]
+        self.row_range = (start, end)
+        local_padding = padding_idx - start if padding_idx is not None and start <= padding_idx < end else None
+        self.shard = Embedding(end - start, embedding_dim, local_padding, sparse=sparse, dtype=dtype,
+                               _weight=None if _weight is None else _weight[start:end])
+
+    @classmethod
+    def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, *, process_group=None, sparse=True):
+        """A table holding `embeddings` (the whole [N, D] table, the same on
+        every rank), each rank keeping its own rows."""
+        if embeddings.dim() != 2:
+            raise ValueError(f"{WHO}: embeddings must be 2-D, got {embeddings.dim()}-D")
+        module = cls(*embeddings.shape, padding_idx, process_group=process_group, sparse=sparse,
+                     dtype=embeddings.dtype, _weight=embeddings)
+        module.shard.weight.requires_grad_(not freeze)
+        return module
+
+    def forward(self, input):
+        ids = prepare_ids(input, WHO)
+        flat = ids.reshape(-1).to(torch.int64)
+        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        send = split_by_owner(unique, self._bounds)
+        recv = self._counts_and_range_check(flat, send)
+        group, start = self.process_group, self.row_range[0]
+        wanted = exchange(unique, send, recv, group) - start
+        rows = ExchangeRows.apply(self.shard(wanted), recv, send, group)
+        return rows.index_select(0, inverse).view(*ids.shape, self.embedding_dim)
+
+    def _counts_and_range_check(self, flat, send):
+        """How many ids each rank sends here, from one all-to-all that also
+        tells every rank about the first id outside the table on each rank:
+        then every rank raises, before any id travels."""
+        bad = ((flat < 0) | (flat >= self.num_embeddings)).nonzero()
+        first_bad = [int(flat[bad[0, 0]]), int(bad[0, 0])] if bad.numel() else [0, -1]
+        out = torch.tensor([[count, *first_bad] for count in send], dtype=torch.int64)
+        got = torch.empty_like(out)
+        dist.all_to_all_single(got, out, group=self.process_group)
+        for r, (_, bad_id, position) in enumerate(got.tolist()):
+            if position >= 0:
+                raise IndexError(f"{WHO}: id {bad_id} at position {position} of rank {r}'s ids is out of range for "
+                                 f"a table of {self.num_embeddings} rows (raised on every rank; nothing was looked "
+                                 "up)")
+        return got[:, 0].tolist()
+
+    def extra_repr(self):
+        start, end = self.row_range
+        return (f"{self.num_embeddings}, {self.embedding_dim}, rank {self.rank} of {self.world_size} holds rows "
+                f"[{start}, {end})")
+
+
+def exclude_from_ddp(model: nn.Module) -> None:
+    """Keeps every ShardedEmbedding in `model` out of
+    DistributedDataParallel's gradient all-reduce (its ranks hold different
+    rows, updated from the gradients the exchange already summed): call it
+    before wrapping `model` in DDP."""
+    names = [f"{prefix}.{name}" if prefix else name
+             for prefix, module in model.named_modules() if isinstance(module, ShardedEmbedding)
+             for name, _ in [*module.named_parameters(), *module.named_buffers()]]
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)

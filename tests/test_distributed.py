@@ -1,0 +1,107 @@
+"""hostembed.distributed.ShardedEmbedding on gloo process groups of 2 and 3
+ranks, spawned by each test (tests/distributed_workers.py runs the ranks)
+and bounded in time: training equals one process training a plain table
+on the ranks' batches together; bad ids and mismatched tables fail on every
+rank; DDP leaves the table alone."""
+import multiprocessing
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hostembed
+from distributed_workers import OPTIMIZERS, STEPS, batch, initial_table, worker
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+TIMEOUT_S = 150
+
+
+def run_ranks(world, job, tmp_path, *args):
+    """Each rank's result; fails if a rank raised, crashed or ran past
+    TIMEOUT_S."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(rank, world, str(tmp_path), job, args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT_S)
+    stuck = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not stuck, f"ranks {stuck} ran past {TIMEOUT_S} s"
+    results = []
+    for rank, p in enumerate(procs):
+        path = os.path.join(tmp_path, f"rank{rank}.pt")
+        assert p.exitcode == 0 and os.path.exists(path), f"rank {rank} exited with {p.exitcode}"
+        result = torch.load(path, weights_only=False)
+        assert "error" not in result, f"rank {rank}: {result['error']}"
+        results.append(result)
+    return results
+
+
+def reference(optimizer, fused, world):
+    """One process, a plain table, each step on every rank's batch together
+    (the gradient of the sum of the ranks' losses)."""
+    emb = hostembed.Embedding.from_pretrained(initial_table(), freeze=False)
+    cls, hyper = OPTIMIZERS[optimizer]
+    opt = cls(emb.parameters(), fused=fused, **hyper)
+    for step in range(STEPS):
+        pairs = [batch(step, rank) for rank in range(world)]
+        ids, target = torch.cat([i for i, _ in pairs]), torch.cat([t for _, t in pairs])
+        (emb(ids) - target).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return emb, opt
+
+
+@pytest.mark.parametrize("world, optimizer, fused", [
+    (2, "SGD", False), (2, "SparseAdam", False), (3, "SparseAdam", True), (3, "RowWiseAdagrad", False)])
+def test_ranks_train_like_one_table_on_their_batches_together(tmp_path, world, optimizer, fused):
+    results = run_ranks(world, "train", tmp_path, optimizer, fused)
+    emb, opt = reference(optimizer, fused, world)
+    assert [r["range"] for r in results] == [(600 * k // world, 600 * (k + 1) // world) for k in range(world)]
+    state = opt.state[emb.weight]
+    for r in results:
+        start, end = r["range"]
+        # The owner sums each rank's partial sums of a row's gradient, one
+        # process sums them all in order: equal to float32 rounding.
+        torch.testing.assert_close(r["weight"], emb.weight.detach()[start:end], rtol=1e-5, atol=1e-6)
+        assert set(r["state"]) == {k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
+        for key, value in r["state"].items():
+            torch.testing.assert_close(value, state[key][start:end], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(emb.weight.detach(), initial_table()), "training changed nothing"
+
+
+def test_an_id_out_of_range_on_one_rank_raises_on_every_rank(tmp_path):
+    results = run_ranks(2, "out_of_range", tmp_path)
+    for r in results:
+        assert r["message"] is not None, "no IndexError"
+        assert "id 605" in r["message"] and "rank 1" in r["message"]
+        assert r["unchanged"] and r["good"]
+
+
+def test_ranks_building_different_tables_are_refused_on_every_rank(tmp_path):
+    results = run_ranks(2, "mismatched", tmp_path)
+    for r in results:
+        assert r["message"] is not None and "rank 0" in r["message"] and "rank 1" in r["message"]
+
+
+def test_ddp_averages_the_dense_part_and_leaves_the_table_out(tmp_path):
+    results = run_ranks(2, "with_ddp", tmp_path)
+    mean = torch.stack([r["own_dense_grad"] for r in results]).mean(0)
+    for r in results:
+        torch.testing.assert_close(r["dense_grad"], mean)
+        assert r["shard_has_grad"]
+
+
+def test_needs_an_initialised_process_group():
+    import hostembed.distributed as hd
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        hd.ShardedEmbedding(10, 4)
