@@ -253,7 +253,7 @@ class OtherLoad:
     def __init__(self):
         self._wall = time.perf_counter()
         self._busy = _busy_cpu_seconds()
-        self._own = sum(os.times()[:2])
+        self._own = sum(os.times()[:4])  # children too: a benchmark's own processes are not other load
         self.loadavg_before = os.getloadavg()
 
     def fraction(self, min_seconds=0.2):
@@ -262,7 +262,7 @@ class OtherLoad:
         busy, wall = _busy_cpu_seconds(), time.perf_counter() - self._wall
         if busy is None or self._busy is None or wall < min_seconds:
             return None
-        others = (busy - self._busy) - (sum(os.times()[:2]) - self._own)
+        others = (busy - self._busy) - (sum(os.times()[:4]) - self._own)
         return max(0.0, others / (wall * usable_cpus()))
 
 

@@ -1,9 +1,13 @@
 """What a row-sharded lookup sends between ranks, on torch.distributed: the
 split of a batch's distinct ids by owner, the ids' exchange, and the rows'
 exchange as an autograd Function whose backward sends the gradient rows
-back the way the rows came."""
+back the way the rows came; and the expansion of the distinct ids' rows to
+the batch's positions, whose backward sums them with the core."""
 import torch
 import torch.distributed as dist
+
+from .._core.ops import cpu as cpu_ops
+from .._core.ops.common import scratch
 
 
 def split_by_owner(unique: torch.Tensor, bounds: torch.Tensor) -> list:
@@ -23,7 +27,10 @@ def exchange_counts(send: list, group) -> list:
 def exchange(tensor: torch.Tensor, send: list, recv: list, group) -> torch.Tensor:
     """tensor's rows, send[r] of them to rank r in rank order; returns the
     rows received, recv[r] from rank r in rank order."""
-    out = tensor.new_empty((sum(recv), *tensor.shape[1:]))
+    # CPU buffers from the core's scratch cache: a fresh 30 MB tensor a step
+    # costs more in page faults than the exchange itself.
+    shape = (sum(recv), *tensor.shape[1:])
+    out = scratch(*shape, dtype=tensor.dtype) if tensor.device.type == "cpu" else tensor.new_empty(shape)
     dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
     return out
 
@@ -40,3 +47,22 @@ class ExchangeRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+class ExpandRows(torch.autograd.Function):
+    """rows[inverse]: each position's row from its distinct id's. Backward
+    sums each distinct id's gradient rows with the core's threads, in
+    position order, reusing the forward's sort of the ids (dedup), where
+    torch's index_select backward adds them one by one."""
+
+    @staticmethod
+    def forward(ctx, rows, ids, dedup, inverse, num_rows):
+        ctx.ids, ctx.dedup, ctx.num_rows = ids, dedup, num_rows
+        out = scratch(inverse.numel(), rows.shape[1], dtype=rows.dtype)
+        return torch.index_select(rows, 0, inverse, out=out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every distinct id has a position: the sums come one per row of `rows`, in order.
+        _, sums = cpu_ops.reduce_rows(ctx.ids, grad, ctx.num_rows, -1, False, ctx.dedup, rounded=True)
+        return sums, None, None, None, None

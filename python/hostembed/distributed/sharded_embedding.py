@@ -6,9 +6,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .._core.ids import prepare_ids
+from .._core.ops import cpu as cpu_ops
 from ..nn.embedding import Embedding
 from ..nn.host_module import padding_index
-from .exchange import ExchangeRows, exchange, split_by_owner
+from .exchange import ExchangeRows, ExpandRows, exchange, split_by_owner
 
 WHO = "hostembed.distributed.ShardedEmbedding"
 
@@ -85,21 +86,27 @@ class ShardedEmbedding(nn.Module):
 
     def forward(self, input):
         ids = prepare_ids(input, WHO)
-        flat = ids.reshape(-1).to(torch.int64)
-        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        flat = ids.reshape(-1)
+        bad = ((flat < 0) | (flat >= self.num_embeddings)).nonzero()
+        first_bad = [int(flat[bad[0, 0]]), int(bad[0, 0])] if bad.numel() else [0, -1]
+        if bad.numel():  # sends nothing: every rank raises after the counts' exchange
+            dedup, unique, inverse = None, flat.new_empty(0, dtype=torch.int64), None
+        else:
+            # The core's threaded sort, kept for backward's sums (ExpandRows).
+            dedup, unique, inverse = cpu_ops.dedup_ids(flat, self.num_embeddings)
         send = split_by_owner(unique, self._bounds)
-        recv = self._counts_and_range_check(flat, send)
+        recv = self._counts_and_range_check(first_bad, send)
         group, start = self.process_group, self.row_range[0]
         wanted = exchange(unique, send, recv, group) - start
         rows = ExchangeRows.apply(self.shard(wanted), recv, send, group)
-        return rows.index_select(0, inverse).view(*ids.shape, self.embedding_dim)
+        out = ExpandRows.apply(rows, flat, dedup, inverse, self.num_embeddings)
+        return out.view(*ids.shape, self.embedding_dim)
 
-    def _counts_and_range_check(self, flat, send):
+    def _counts_and_range_check(self, first_bad, send):
         """How many ids each rank sends here, from one all-to-all that also
-        tells every rank about the first id outside the table on each rank:
-        then every rank raises, before any id travels."""
-        bad = ((flat < 0) | (flat >= self.num_embeddings)).nonzero()
-        first_bad = [int(flat[bad[0, 0]]), int(bad[0, 0])] if bad.numel() else [0, -1]
+        tells every rank the first id outside the table on each rank
+        (first_bad: [id, position], position -1 for none): then every rank
+        raises, before any id travels."""
         out = torch.tensor([[count, *first_bad] for count in send], dtype=torch.int64)
         got = torch.empty_like(out)
         dist.all_to_all_single(got, out, group=self.process_group)

@@ -1,0 +1,165 @@
+"""One table sharded over 1, 2 and 4 processes (hostembed.distributed.
+ShardedEmbedding on gloo), against one process with a plain
+hostembed.Embedding, on the same global workload: a --rows x --dim table,
+--batch Zipf(--alpha) ids a step in all (each of P processes looks up its
+1/P of them), SparseAdam or row-wise Adagrad (--optimizer).
+
+Reported per process count: ms/step (median of the timed steps, as rank 0
+sees them; every step is collective, so the ranks move together), the bytes
+a step sends between processes (ids to their owners, rows back, gradient
+rows to the owners; each rank sends each distinct id once, which is the
+least any row-sharded lookup sends), and the peak RSS of all the processes
+together against one table with its optimizer state. Threads: the machine's CPUs
+split between the processes.
+
+    python benchmarks/sharded_step.py [--procs 1,2,4 --rows 2000000 --batch 65536]
+"""
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (GIB, RESULTS_DIR, OtherLoad, ZipfIds, fmt_gib, log, machine_info, require_hostembed,  # noqa: E402
+                     summarize_ms, usable_cpus, write_json)
+
+hostembed = require_hostembed()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--procs", default="1,2,4", help="process counts")
+    p.add_argument("--rows", type=int, default=2_000_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=65_536, help="ids a step, all processes together")
+    p.add_argument("--alpha", type=float, default=1.05)
+    p.add_argument("--batches", type=int, default=4, help="distinct global batches, cycled")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--optimizer", choices=("SparseAdam", "RowWiseAdagrad"), default="SparseAdam")
+    p.add_argument("--json", default=os.path.join(RESULTS_DIR, "sharded_step.json"))
+    args = p.parse_args(argv)
+    args.procs = [int(x) for x in args.procs.split(",") if x]
+    if min(args.procs + [args.rows, args.dim, args.batch, args.batches, args.steps]) < 1 or args.warmup < 0:
+        p.error("sizes and counts must be >= 1")
+    return args
+
+
+def global_batches(args):
+    draw = ZipfIds(args.rows, args.alpha, np.random.default_rng(0))
+    return [draw.draw(args.batch) for _ in range(args.batches)]
+
+
+def bytes_sent(batch, procs, rows, dim):
+    """Bytes one step sends between processes: each rank's distinct ids
+    owned elsewhere (8 bytes each) and, for each, a row back and a gradient
+    row out (dim floats each)."""
+    bounds = torch.tensor([rows * r // procs for r in range(procs + 1)])
+    total = 0
+    for rank, part in enumerate(batch.tensor_split(procs)):
+        owner = torch.bucketize(torch.unique(part), bounds[1:], right=True)
+        remote = int((owner != rank).sum())
+        total += remote * (8 + 2 * dim * 4)
+    return total
+
+
+def peak_rss_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rank_main(rank, procs, args, path, out_path):
+    threads = max(1, usable_cpus() // procs)
+    torch.set_num_threads(threads)
+    hostembed.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=procs,
+                            timeout=datetime.timedelta(seconds=300))
+    import hostembed.distributed as hd
+
+    batches = [b.tensor_split(procs)[rank] for b in global_batches(args)]
+    emb = hd.ShardedEmbedding(args.rows, args.dim)
+    opt = getattr(hostembed, args.optimizer)(emb.parameters(), lr=1e-3)
+    grads = [torch.randn(b.numel(), args.dim, generator=torch.Generator().manual_seed(rank)) for b in batches]
+    seconds = []
+    for i in range(args.warmup + args.steps):
+        k = i % len(batches)
+        t0 = time.perf_counter()
+        emb(batches[k]).backward(grads[k])
+        opt.step()
+        opt.zero_grad()
+        if i >= args.warmup:
+            seconds.append(time.perf_counter() - t0)
+    rss = torch.tensor([peak_rss_bytes()], dtype=torch.int64)
+    dist.all_reduce(rss, group=dist.group.WORLD)
+    if rank == 0:
+        torch.save({"seconds": seconds, "rss_bytes": int(rss), "threads": threads}, out_path)
+    dist.destroy_process_group()
+
+
+def run_procs(procs, args):
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "result.pt")
+        mp.start_processes(rank_main, args=(procs, args, os.path.join(tmp, "rendezvous"), out_path),
+                           nprocs=procs, start_method="spawn")
+        return torch.load(out_path)
+
+
+def plain_baseline(args):
+    """One process, a plain hostembed.Embedding, every id of the step."""
+    emb = hostembed.Embedding(args.rows, args.dim)
+    opt = getattr(hostembed, args.optimizer)(emb.parameters(), lr=1e-3)
+    batches = global_batches(args)
+    grad = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(0))
+    seconds = []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        emb(batches[i % len(batches)]).backward(grad)
+        opt.step()
+        opt.zero_grad()
+        if i >= args.warmup:
+            seconds.append(time.perf_counter() - t0)
+    return summarize_ms(seconds)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    other = OtherLoad()
+    state = 2 * args.rows * args.dim * 4 if args.optimizer == "SparseAdam" else args.rows * 4
+    table_and_state = args.rows * args.dim * 4 + state
+    batches = global_batches(args)
+    report = {"args": vars(args), "machine": machine_info(), "table_and_state_bytes": table_and_state, "procs": {}}
+    log("one process, plain hostembed.Embedding")
+    report["plain"] = plain_baseline(args)
+    for procs in args.procs:
+        log(f"{procs} process(es), ShardedEmbedding")
+        result = run_procs(procs, args)
+        sent = statistics.mean(bytes_sent(b, procs, args.rows, args.dim) for b in batches)
+        report["procs"][procs] = {**summarize_ms(result["seconds"]), "bytes_sent_per_step": sent,
+                                  "rss_bytes_all": result["rss_bytes"], "threads_per_process": result["threads"]}
+    report["other_load"] = {"cpu_fraction_used_by_others": other.fraction()}
+    write_json(args.json, report)
+    print(f"\nSharded table, {args.rows:,} x {args.dim} float32 ({fmt_gib(table_and_state)} with its state), "
+          f"{args.batch:,} Zipf({args.alpha}) ids a step in all, {args.optimizer}, gloo, {usable_cpus()} CPUs; "
+          f"other load {report['other_load']['cpu_fraction_used_by_others']:.0%}\n")
+    print("| processes | threads each | ms/step | MB sent a step | peak RSS, all processes |")
+    print("|---:|---:|---:|---:|---:|")
+    print(f"| 1, plain hostembed.Embedding | {usable_cpus()} | {report['plain']['median_ms']:.1f} | 0 | |")
+    for procs, r in report["procs"].items():
+        print(f"| {procs} | {r['threads_per_process']} | {r['median_ms']:.1f} | {r['bytes_sent_per_step'] / 1e6:.1f} "
+              f"| {r['rss_bytes_all'] / GIB:.2f} GiB |")
+    print(f"\nJSON: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
