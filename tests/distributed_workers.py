@@ -96,7 +96,60 @@ def with_ddp(rank, world):
             "shard_has_grad": model.emb.shard.weight.grad is not None}
 
 
-JOBS = {"train": train, "out_of_range": out_of_range, "mismatched": mismatched, "with_ddp": with_ddp}
+def global_batch(step):
+    """Step `step`'s ids and targets for all ranks together; rank r of W
+    takes its 1/W of them (so any number of ranks trains on the same)."""
+    gen = torch.Generator().manual_seed(500 + step)
+    weights = torch.arange(1, ROWS + 1, dtype=torch.float64).pow(-1.1)
+    ids = torch.multinomial(weights, 96, replacement=True, generator=gen)
+    return ids, torch.randn(96, DIM, generator=gen)
+
+
+class _Tables(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False)
+
+
+def _train_steps(model, opt, steps, rank, world):
+    for step in steps:
+        ids, target = (t.tensor_split(world)[rank] for t in global_batch(step))
+        (model.emb(ids) - target).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def reshard(rank, world, checkpoints, written_by):
+    """Trains 3 steps and saves a checkpoint a rank (written_by 0), or
+    loads the checkpoints `written_by` ranks saved; then 2 more steps."""
+    model = _Tables()
+    opt = hostembed.SparseAdam(model.parameters(), lr=0.01)
+    if written_by:
+        hd.load_resharded([os.path.join(checkpoints, f"rank{r}.pt") for r in range(written_by)], model, opt)
+    else:
+        _train_steps(model, opt, range(3), rank, world)
+        hostembed.save(os.path.join(checkpoints, f"rank{rank}.pt"), model, opt)
+    _train_steps(model, opt, range(3, 5), rank, world)
+    state = opt.state[model.emb.shard.weight]
+    return {"range": model.emb.row_range, "weight": model.emb.shard.weight.detach().clone(),
+            "exp_avg": state["exp_avg"].clone(), "exp_avg_sq": state["exp_avg_sq"].clone(),
+            "step": int(state["step"])}
+
+
+def load_foreign(rank, world, directory):
+    model = _Tables()
+    before = model.emb.shard.weight.detach().clone()
+    try:
+        hd.load_resharded([os.path.join(directory, f"rank{r}.pt") for r in range(3)], model)
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        message = None
+    return {"message": message, "unchanged": torch.equal(before, model.emb.shard.weight.detach())}
+
+
+JOBS = {"train": train, "out_of_range": out_of_range, "mismatched": mismatched, "with_ddp": with_ddp,
+        "reshard": reshard, "load_foreign": load_foreign}
 
 
 def worker(rank, world, outdir, job, args):

@@ -98,6 +98,45 @@ def test_ddp_averages_the_dense_part_and_leaves_the_table_out(tmp_path):
         assert r["shard_has_grad"]
 
 
+def _whole(results, key):
+    """The table-sized tensor `key` put together from the ranks' rows."""
+    return torch.cat([r[key] for r in sorted(results, key=lambda r: r["range"])])
+
+
+def test_checkpoints_of_two_ranks_load_into_two_one_and_three(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    runs = {}
+    for name, world, written_by in (("saved", 2, 0), ("same", 2, 2), ("one", 1, 2), ("three", 3, 2)):
+        (tmp_path / name).mkdir()
+        runs[name] = run_ranks(world, "reshard", tmp_path / name, str(checkpoints), written_by)
+    assert sorted(os.listdir(checkpoints)) == ["rank0.pt", "rank1.pt"]
+    saved = runs["saved"]
+    # The same number of ranks restores exactly: the same bits after two more steps.
+    for before, after in zip(saved, runs["same"]):
+        for key in ("weight", "exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(before[key]), torch.as_tensor(after[key])), key
+    # Other numbers of ranks: the same rows and state, then two steps whose
+    # sums add the ranks' partial sums in another grouping (float32 rounding).
+    for name in ("one", "three"):
+        assert [r["step"] for r in runs[name]] == [5] * len(runs[name])
+        for key in ("weight", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(_whole(runs[name], key), _whole(saved, key), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(_whole(saved, "weight"), initial_table())
+
+
+def test_checkpoints_of_another_table_are_refused(tmp_path):
+    # Files that do not hold the rows the ranks would have: a plain table's.
+    model = torch.nn.Module()
+    model.emb = hostembed.Embedding(10, 4)
+    for r in range(3):
+        hostembed.save(tmp_path / f"rank{r}.pt", model)
+    (tmp_path / "run").mkdir()
+    results = run_ranks(2, "load_foreign", tmp_path / "run", str(tmp_path))
+    for r in results:
+        assert "does not hold rows" in r["message"] and r["unchanged"]
+
+
 def test_needs_an_initialised_process_group():
     import hostembed.distributed as hd
 

@@ -1,10 +1,12 @@
 """Tables over several processes, on torch.distributed: ShardedEmbedding
 spreads one table's rows over the ranks of a process group (all-to-all of
-ids and rows; each rank's optimizer updates its own rows), and
-exclude_from_ddp keeps such tables out of DistributedDataParallel.
+ids and rows; each rank's optimizer updates its own rows),
+exclude_from_ddp keeps such tables out of DistributedDataParallel, and
+load_resharded loads the ranks' checkpoints into another number of ranks.
 
 Imported on its own (``import hostembed.distributed``); a layer above nn/
 and optim/."""
+from .checkpoint import load_resharded
 from .sharded_embedding import ShardedEmbedding, exclude_from_ddp
 
-__all__ = ["ShardedEmbedding", "exclude_from_ddp"]
+__all__ = ["ShardedEmbedding", "exclude_from_ddp", "load_resharded"]

@@ -1,0 +1,88 @@
+"""Checkpoints of models with ShardedEmbedding tables, loaded into another
+number of ranks: each rank takes the rows of its new range from the files
+the old ranks wrote (hostembed.save, one file a rank), memory-mapped, so a
+rank reads only its rows."""
+import torch
+
+from ..io.stream import copy_rows
+from ..io.checkpoint import load as load_checkpoint
+from .sharded_embedding import WHO, ShardedEmbedding
+
+
+def load_resharded(paths, model, optimizer=None):
+    """Restores into `model` (and `optimizer`, one optimizer) the
+    checkpoints that `len(paths)` ranks wrote with
+    ``hostembed.save(path, model, optimizer)``, given in rank order, whatever
+    the number of ranks now: each ShardedEmbedding takes the rows of its
+    range (and their optimizer state) from the files that hold them;
+    everything else comes from the first file. With as many files as
+    ranks, it is ``hostembed.load(paths[rank], model, optimizer)``.
+
+    The optimizer must be one hostembed or torch optimizer (not a list).
+    Raises ValueError when the files do not hold a sharded table's rows as
+    `len(paths)` ranks would have, before anything changes."""
+    paths = [str(p) for p in paths]
+    tables = [(name, m) for name, m in model.named_modules() if isinstance(m, ShardedEmbedding)]
+    if not tables:
+        raise ValueError(f"{WHO}: load_resharded needs a model with ShardedEmbedding tables")
+    world = tables[0][1].world_size
+    if len(paths) == world:
+        return load_checkpoint(paths[tables[0][1].rank], model, optimizer)
+    files = [torch.load(p, map_location="cpu", mmap=True, weights_only=False) for p in paths]
+    state = dict(files[0]["model"])
+    opt_state = None if optimizer is None else _empty_like_saved(files[0].get("optimizer"), paths[0])
+    index = _param_indices(optimizer) if optimizer is not None else {}
+    for name, table in tables:
+        key = f"{name}.shard.weight" if name else "shard.weight"
+        old = [table.num_embeddings * r // len(paths) for r in range(len(paths) + 1)]
+        for k, f in enumerate(files):
+            rows = f["model"].get(key)
+            if rows is None or tuple(rows.shape) != (old[k + 1] - old[k], table.embedding_dim):
+                raise ValueError(f"{WHO}: {paths[k]} does not hold rows [{old[k]}, {old[k + 1]}) of {key!r} "
+                                 f"(got {None if rows is None else list(rows.shape)}): give the {len(paths)} "
+                                 "ranks' checkpoints in rank order")
+        start, end = table.row_range
+        state[key] = _rows(start, end, old, [f["model"][key] for f in files])
+        if optimizer is not None:
+            i = index[table.shard.weight]
+            saved = [f["optimizer"]["state"].get(i, {}) for f in files]
+            opt_state["state"][i] = {name_: (_rows(start, end, old, [s[name_] for s in saved])
+                                             if _per_row(value, old[1] - old[0]) else value)
+                                     for name_, value in saved[0].items()}
+    model.load_state_dict(state)
+    if optimizer is not None:
+        optimizer.load_state_dict(opt_state)
+    return files[0].get("extra")
+
+
+def _rows(start, end, old, parts):
+    """Rows [start, end) of the table whose rows [old[k], old[k + 1]) are
+    parts[k], read from only the parts that hold them."""
+    out = torch.empty((end - start, *parts[0].shape[1:]), dtype=parts[0].dtype)
+    for k, part in enumerate(parts):
+        lo, hi = max(start, old[k]), min(end, old[k + 1])
+        if lo < hi:
+            dst, src = out[lo - start:hi - start], part[lo - old[k]:hi - old[k]]
+            if dst.dim() == 2:  # copy_rows releases a mapped file's pages as it goes
+                copy_rows(dst, src)
+            else:  # a value per row: small
+                dst.copy_(src)
+    return out
+
+
+def _per_row(value, rows):
+    """A state tensor with a row (or a value) per table row; scalars such
+    as `step` are the same on every rank."""
+    return torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == rows
+
+
+def _param_indices(optimizer):
+    """Each parameter's index in the optimizer's state dict."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {p: i for i, p in enumerate(params)}
+
+
+def _empty_like_saved(saved, path):
+    if not isinstance(saved, dict) or "state" not in saved or "param_groups" not in saved:
+        raise ValueError(f"{WHO}: {path} holds no single optimizer's state dict to load")
+    return {"state": dict(saved["state"]), "param_groups": saved["param_groups"]}
