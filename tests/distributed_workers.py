@@ -2,6 +2,7 @@
 gloo group, each writing its result (or its exception) to OUTDIR/rank<r>.pt."""
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -148,8 +149,23 @@ def load_foreign(rank, world, directory):
     return {"message": message, "unchanged": torch.equal(before, model.emb.shard.weight.detach())}
 
 
+def rank_dies(rank, world):
+    """The last rank exits in the middle of training; the others must fail
+    with an error (gloo sees the closed connection), not wait forever."""
+    emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False)
+    emb(torch.tensor([rank])).sum().backward()
+    if rank == world - 1:
+        os._exit(3)
+    started = time.monotonic()
+    try:
+        emb(torch.tensor([rank, 5])).sum().backward()
+    except RuntimeError as exc:
+        return {"message": str(exc), "seconds": time.monotonic() - started}
+    return {"message": None, "seconds": time.monotonic() - started}
+
+
 JOBS = {"train": train, "out_of_range": out_of_range, "mismatched": mismatched, "with_ddp": with_ddp,
-        "reshard": reshard, "load_foreign": load_foreign}
+        "reshard": reshard, "load_foreign": load_foreign, "rank_dies": rank_dies}
 
 
 def worker(rank, world, outdir, job, args):

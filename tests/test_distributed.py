@@ -18,9 +18,9 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 TIMEOUT_S = 150
 
 
-def run_ranks(world, job, tmp_path, *args):
-    """Each rank's result; fails if a rank raised, crashed or ran past
-    TIMEOUT_S."""
+def run_ranks(world, job, tmp_path, *args, dying=()):
+    """Each rank's result (None for the ranks in `dying`, which exit on
+    their own); fails if a rank raised, crashed or ran past TIMEOUT_S."""
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=worker, args=(rank, world, str(tmp_path), job, args)) for rank in range(world)]
     for p in procs:
@@ -35,6 +35,10 @@ def run_ranks(world, job, tmp_path, *args):
     assert not stuck, f"ranks {stuck} ran past {TIMEOUT_S} s"
     results = []
     for rank, p in enumerate(procs):
+        if rank in dying:
+            assert p.exitcode != 0, f"rank {rank} was to exit mid-training"
+            results.append(None)
+            continue
         path = os.path.join(tmp_path, f"rank{rank}.pt")
         assert p.exitcode == 0 and os.path.exists(path), f"rank {rank} exited with {p.exitcode}"
         result = torch.load(path, weights_only=False)
@@ -135,6 +139,12 @@ def test_checkpoints_of_another_table_are_refused(tmp_path):
     results = run_ranks(2, "load_foreign", tmp_path / "run", str(tmp_path))
     for r in results:
         assert "does not hold rows" in r["message"] and r["unchanged"]
+
+
+def test_a_rank_that_dies_mid_training_fails_the_others_promptly(tmp_path):
+    results = run_ranks(2, "rank_dies", tmp_path, dying=(1,))
+    assert results[0]["message"] is not None, "the surviving rank did not fail"
+    assert results[0]["seconds"] < 60, "it failed only at the process group's timeout"
 
 
 def test_needs_an_initialised_process_group():
