@@ -109,6 +109,25 @@ def zipf_batches(rows, batch, alpha, count, seed):
     return [ids.draw(batch) for _ in range(count)]
 
 
+def add_sharded_workload_args(p):
+    """The workload options of the sharded-table benchmarks (sharded_step.py
+    and its TorchRec peer): one table, a global batch split over P processes."""
+    p.add_argument("--procs", default="1,2,4", help="process counts")
+    p.add_argument("--rows", type=int, default=2_000_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=65_536, help="ids a step, all processes together")
+    p.add_argument("--alpha", type=float, default=1.05)
+    p.add_argument("--batches", type=int, default=4, help="distinct global batches, cycled")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+
+
+def sharded_global_batches(args):
+    """The global batches those options describe: the same draws in every
+    script that takes them."""
+    return zipf_batches(args.rows, args.batch, args.alpha, args.batches, seed=0)
+
+
 # --- peak RSS ---------------------------------------------------------------
 
 def _vm_hwm_bytes():

@@ -22,28 +22,21 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (GIB, RESULTS_DIR, OtherLoad, ZipfIds, fmt_gib, log, machine_info, require_hostembed,  # noqa: E402
-                     summarize_ms, usable_cpus, write_json)
+from _common import (GIB, RESULTS_DIR, OtherLoad, _vm_hwm_bytes, add_sharded_workload_args,  # noqa: E402
+                     fmt_gib, log, machine_info, require_hostembed, sharded_global_batches, summarize_ms, usable_cpus,
+                     write_json)
 
 hostembed = require_hostembed()
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--procs", default="1,2,4", help="process counts")
-    p.add_argument("--rows", type=int, default=2_000_000)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--batch", type=int, default=65_536, help="ids a step, all processes together")
-    p.add_argument("--alpha", type=float, default=1.05)
-    p.add_argument("--batches", type=int, default=4, help="distinct global batches, cycled")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
+    add_sharded_workload_args(p)
     p.add_argument("--optimizer", choices=("SparseAdam", "RowWiseAdagrad"), default="SparseAdam")
     p.add_argument("--json", default=os.path.join(RESULTS_DIR, "sharded_step.json"))
     args = p.parse_args(argv)
@@ -51,11 +44,6 @@ def parse_args(argv=None):
     if min(args.procs + [args.rows, args.dim, args.batch, args.batches, args.steps]) < 1 or args.warmup < 0:
         p.error("sizes and counts must be >= 1")
     return args
-
-
-def global_batches(args):
-    draw = ZipfIds(args.rows, args.alpha, np.random.default_rng(0))
-    return [draw.draw(args.batch) for _ in range(args.batches)]
 
 
 def bytes_sent(batch, procs, rows, dim):
@@ -71,14 +59,6 @@ def bytes_sent(batch, procs, rows, dim):
     return total
 
 
-def peak_rss_bytes():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def rank_main(rank, procs, args, path, out_path):
     threads = max(1, usable_cpus() // procs)
     torch.set_num_threads(threads)
@@ -87,7 +67,7 @@ def rank_main(rank, procs, args, path, out_path):
                             timeout=datetime.timedelta(seconds=300))
     import hostembed.distributed as hd
 
-    batches = [b.tensor_split(procs)[rank] for b in global_batches(args)]
+    batches = [b.tensor_split(procs)[rank] for b in sharded_global_batches(args)]
     emb = hd.ShardedEmbedding(args.rows, args.dim)
     opt = getattr(hostembed, args.optimizer)(emb.parameters(), lr=1e-3)
     grads = [torch.randn(b.numel(), args.dim, generator=torch.Generator().manual_seed(rank)) for b in batches]
@@ -100,7 +80,7 @@ def rank_main(rank, procs, args, path, out_path):
         opt.zero_grad()
         if i >= args.warmup:
             seconds.append(time.perf_counter() - t0)
-    rss = torch.tensor([peak_rss_bytes()], dtype=torch.int64)
+    rss = torch.tensor([_vm_hwm_bytes() or 0], dtype=torch.int64)
     dist.all_reduce(rss, group=dist.group.WORLD)
     if rank == 0:
         torch.save({"seconds": seconds, "rss_bytes": int(rss), "threads": threads}, out_path)
@@ -119,7 +99,7 @@ def plain_baseline(args):
     """One process, a plain hostembed.Embedding, every id of the step."""
     emb = hostembed.Embedding(args.rows, args.dim)
     opt = getattr(hostembed, args.optimizer)(emb.parameters(), lr=1e-3)
-    batches = global_batches(args)
+    batches = sharded_global_batches(args)
     grad = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(0))
     seconds = []
     for i in range(args.warmup + args.steps):
@@ -137,7 +117,7 @@ def main(argv=None):
     other = OtherLoad()
     state = 2 * args.rows * args.dim * 4 if args.optimizer == "SparseAdam" else args.rows * 4
     table_and_state = args.rows * args.dim * 4 + state
-    batches = global_batches(args)
+    batches = sharded_global_batches(args)
     report = {"args": vars(args), "machine": machine_info(), "table_and_state_bytes": table_and_state, "procs": {}}
     log("one process, plain hostembed.Embedding")
     report["plain"] = plain_baseline(args)

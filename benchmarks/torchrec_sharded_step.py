@@ -50,14 +50,13 @@ import tempfile
 import time
 import warnings
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (GIB, RESULTS_DIR, OtherLoad, ZipfIds, fmt_gib, log, summarize_ms, usable_cpus,  # noqa: E402
-                     write_json)
+from _common import (GIB, RESULTS_DIR, OtherLoad, _vm_hwm_bytes, add_sharded_workload_args,  # noqa: E402
+                     fmt_gib, log, sharded_global_batches, summarize_ms, usable_cpus, write_json, zipf_batches)
 
 LR = 1e-3
 EPS = 1e-8  # FBGEMM's default for row-wise Adagrad
@@ -65,14 +64,7 @@ EPS = 1e-8  # FBGEMM's default for row-wise Adagrad
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--procs", default="1,2,4", help="process counts")
-    p.add_argument("--rows", type=int, default=2_000_000)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--batch", type=int, default=65_536, help="ids a step, all processes together")
-    p.add_argument("--alpha", type=float, default=1.05)
-    p.add_argument("--batches", type=int, default=4, help="distinct global batches, cycled")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
+    add_sharded_workload_args(p)
     p.add_argument("--skip-check", action="store_true", help="skip the one-step check on a tiny table")
     p.add_argument("--json", default=os.path.join(RESULTS_DIR, "torchrec_sharded_step.json"))
     args = p.parse_args(argv)
@@ -83,20 +75,6 @@ def parse_args(argv=None):
         p.error("--batch must divide by every process count (TorchRec's row-wise reduce-scatter wants "
                 "the same batch on every rank)")
     return args
-
-
-def global_batches(args):
-    """The same draws as sharded_step.py's."""
-    draw = ZipfIds(args.rows, args.alpha, np.random.default_rng(0))
-    return [draw.draw(args.batch) for _ in range(args.batches)]
-
-
-def peak_rss_bytes():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def versions():
@@ -165,7 +143,7 @@ def check_one_step(rank, procs):
     Adagrad by hand on every rank's ids and gradients. Raises on a mismatch."""
     rows, dim, batch = 1000, 8, 512
     model, _ = build_model(rows, dim, procs)
-    ids = ZipfIds(rows, 1.05, np.random.default_rng(1)).draw(batch)
+    ids = zipf_batches(rows, batch, 1.05, 1, seed=1)[0]
     parts = ids.tensor_split(procs)
     grads = [torch.randn(p.numel(), dim, generator=torch.Generator().manual_seed(100 + r)) for r, p in enumerate(parts)]
     start, weight = local_shard(model)
@@ -210,7 +188,7 @@ def rank_main(rank, procs, args, path, out_path, check):
         dist.destroy_process_group()
         return
 
-    batches = [make_kjt(b.tensor_split(procs)[rank]) for b in global_batches(args)]
+    batches = [make_kjt(b.tensor_split(procs)[rank]) for b in sharded_global_batches(args)]
     model, plan = build_model(args.rows, args.dim, procs)
     grads = [torch.randn(b.values().numel(), args.dim, generator=torch.Generator().manual_seed(rank))
              for b in batches]
@@ -221,7 +199,7 @@ def rank_main(rank, procs, args, path, out_path, check):
         model(batches[k]).values().backward(grads[k])
         if i >= args.warmup:
             seconds.append(time.perf_counter() - t0)
-    rss = torch.tensor([peak_rss_bytes()], dtype=torch.int64)
+    rss = torch.tensor([_vm_hwm_bytes() or 0], dtype=torch.int64)
     dist.all_reduce(rss, group=dist.group.WORLD)
     if rank == 0:
         torch.save({"seconds": seconds, "rss_bytes": int(rss), "threads": threads, "plan": str(plan)}, out_path)
