@@ -1,6 +1,9 @@
-"""One table sharded over 1, 2 and 4 processes (hostembed.distributed.
-ShardedEmbedding on gloo), against one process with a plain
-hostembed.Embedding, on the same global workload: a --rows x --dim table,
+"""One table over 1, 2 and 4 processes on gloo, sharded
+(hostembed.distributed.ShardedEmbedding: each process holds its rows, ids
+and rows travel) and shared (SharedEmbedding: one copy in the host's
+memory, every process reads it, gradient rows travel to the rows' updater),
+against one process with a plain hostembed.Embedding, on the same global
+workload: a --rows x --dim table,
 --batch Zipf(--alpha) ids a step in all (each of P processes looks up its
 1/P of them), SparseAdam or row-wise Adagrad (--optimizer).
 
@@ -46,20 +49,32 @@ def parse_args(argv=None):
     return args
 
 
-def bytes_sent(batch, procs, rows, dim):
-    """Bytes one step sends between processes: each rank's distinct ids
-    owned elsewhere (8 bytes each) and, for each, a row back and a gradient
-    row out (dim floats each)."""
+def bytes_sent(batch, procs, rows, dim, kind):
+    """Bytes one step sends between processes, from each rank's distinct ids
+    whose rows another rank holds (sharded) or updates (shared): sharded,
+    the id out (8 bytes), its row back and its gradient row out; shared,
+    only the gradient row and its index."""
     bounds = torch.tensor([rows * r // procs for r in range(procs + 1)])
+    per_id = 8 + (2 if kind == "sharded" else 1) * dim * 4
     total = 0
     for rank, part in enumerate(batch.tensor_split(procs)):
         owner = torch.bucketize(torch.unique(part), bounds[1:], right=True)
-        remote = int((owner != rank).sum())
-        total += remote * (8 + 2 * dim * 4)
+        total += int((owner != rank).sum()) * per_id
     return total
 
 
-def rank_main(rank, procs, args, path, out_path):
+def pss_bytes():
+    """This process's proportional set size: shared pages count 1/N in each
+    of the N processes that map them, so the sum over processes counts a
+    shared table once."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rank_main(rank, procs, args, kind, path, out_path):
     threads = max(1, usable_cpus() // procs)
     torch.set_num_threads(threads)
     hostembed.set_num_threads(threads)
@@ -68,7 +83,7 @@ def rank_main(rank, procs, args, path, out_path):
     import hostembed.distributed as hd
 
     batches = [b.tensor_split(procs)[rank] for b in sharded_global_batches(args)]
-    emb = hd.ShardedEmbedding(args.rows, args.dim)
+    emb = (hd.SharedEmbedding if kind == "shared" else hd.ShardedEmbedding)(args.rows, args.dim)
     opt = getattr(hostembed, args.optimizer)(emb.parameters(), lr=1e-3)
     grads = [torch.randn(b.numel(), args.dim, generator=torch.Generator().manual_seed(rank)) for b in batches]
     seconds = []
@@ -80,17 +95,21 @@ def rank_main(rank, procs, args, path, out_path):
         opt.zero_grad()
         if i >= args.warmup:
             seconds.append(time.perf_counter() - t0)
-    rss = torch.tensor([_vm_hwm_bytes() or 0], dtype=torch.int64)
-    dist.all_reduce(rss, group=dist.group.WORLD)
+    memory = torch.tensor([_vm_hwm_bytes() or 0, pss_bytes()], dtype=torch.int64)
+    dist.all_reduce(memory, group=dist.group.WORLD)
     if rank == 0:
-        torch.save({"seconds": seconds, "rss_bytes": int(rss), "threads": threads}, out_path)
+        torch.save({"seconds": seconds, "rss_bytes": int(memory[0]), "pss_bytes": int(memory[1]),
+                    "threads": threads}, out_path)
+    # Every rank done with the group before any tears it down: gloo aborts
+    # a process whose peer closes a connection it still uses.
+    dist.barrier()
     dist.destroy_process_group()
 
 
-def run_procs(procs, args):
+def run_procs(procs, args, kind):
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.pt")
-        mp.start_processes(rank_main, args=(procs, args, os.path.join(tmp, "rendezvous"), out_path),
+        mp.start_processes(rank_main, args=(procs, args, kind, os.path.join(tmp, "rendezvous"), out_path),
                            nprocs=procs, start_method="spawn")
         return torch.load(out_path)
 
@@ -118,26 +137,32 @@ def main(argv=None):
     state = 2 * args.rows * args.dim * 4 if args.optimizer == "SparseAdam" else args.rows * 4
     table_and_state = args.rows * args.dim * 4 + state
     batches = sharded_global_batches(args)
-    report = {"args": vars(args), "machine": machine_info(), "table_and_state_bytes": table_and_state, "procs": {}}
+    report = {"args": vars(args), "machine": machine_info(), "table_and_state_bytes": table_and_state,
+              "sharded": {}, "shared": {}}
     log("one process, plain hostembed.Embedding")
     report["plain"] = plain_baseline(args)
     for procs in args.procs:
-        log(f"{procs} process(es), ShardedEmbedding")
-        result = run_procs(procs, args)
-        sent = statistics.mean(bytes_sent(b, procs, args.rows, args.dim) for b in batches)
-        report["procs"][procs] = {**summarize_ms(result["seconds"]), "bytes_sent_per_step": sent,
-                                  "rss_bytes_all": result["rss_bytes"], "threads_per_process": result["threads"]}
+        for kind in ("sharded", "shared"):
+            log(f"{procs} process(es), {kind}")
+            result = run_procs(procs, args, kind)
+            sent = statistics.mean(bytes_sent(b, procs, args.rows, args.dim, kind) for b in batches)
+            report[kind][procs] = {**summarize_ms(result["seconds"]), "bytes_sent_per_step": sent,
+                                   "rss_bytes_all": result["rss_bytes"], "pss_bytes_all": result["pss_bytes"],
+                                   "threads_per_process": result["threads"]}
     report["other_load"] = {"cpu_fraction_used_by_others": other.fraction()}
     write_json(args.json, report)
-    print(f"\nSharded table, {args.rows:,} x {args.dim} float32 ({fmt_gib(table_and_state)} with its state), "
+    print(f"\nOne table, {args.rows:,} x {args.dim} float32 ({fmt_gib(table_and_state)} with its state), "
           f"{args.batch:,} Zipf({args.alpha}) ids a step in all, {args.optimizer}, gloo, {usable_cpus()} CPUs; "
           f"other load {report['other_load']['cpu_fraction_used_by_others']:.0%}\n")
-    print("| processes | threads each | ms/step | MB sent a step | peak RSS, all processes |")
-    print("|---:|---:|---:|---:|---:|")
-    print(f"| 1, plain hostembed.Embedding | {usable_cpus()} | {report['plain']['median_ms']:.1f} | 0 | |")
-    for procs, r in report["procs"].items():
-        print(f"| {procs} | {r['threads_per_process']} | {r['median_ms']:.1f} | {r['bytes_sent_per_step'] / 1e6:.1f} "
-              f"| {r['rss_bytes_all'] / GIB:.2f} GiB |")
+    print("| processes | table | threads each | ms/step | MB sent a step | peak RSS, all processes | PSS, all |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    print(f"| 1 | plain hostembed.Embedding | {usable_cpus()} | {report['plain']['median_ms']:.1f} | 0 | | |")
+    for procs in args.procs:
+        for kind in ("sharded", "shared"):
+            r = report[kind][procs]
+            print(f"| {procs} | {kind} | {r['threads_per_process']} | {r['median_ms']:.1f} "
+                  f"| {r['bytes_sent_per_step'] / 1e6:.1f} | {r['rss_bytes_all'] / GIB:.2f} GiB "
+                  f"| {r['pss_bytes_all'] / GIB:.2f} GiB |")
     print(f"\nJSON: {args.json}")
 
 

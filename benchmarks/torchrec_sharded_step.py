@@ -185,6 +185,7 @@ def rank_main(rank, procs, args, path, out_path, check):
         dist.all_gather_object(results, result)
         if rank == 0:
             torch.save({"check": results}, out_path)
+        dist.barrier()  # as below
         dist.destroy_process_group()
         return
 
@@ -203,6 +204,9 @@ def rank_main(rank, procs, args, path, out_path, check):
     dist.all_reduce(rss, group=dist.group.WORLD)
     if rank == 0:
         torch.save({"seconds": seconds, "rss_bytes": int(rss), "threads": threads, "plan": str(plan)}, out_path)
+    # Every rank done with the group before any tears it down: gloo aborts
+    # a process whose peer closes a connection it still uses.
+    dist.barrier()
     dist.destroy_process_group()
 
 

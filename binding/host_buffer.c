@@ -22,13 +22,19 @@ typedef struct {
 
 static PyObject *heb_host_buffer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"nbytes", "first_touch", "scratch", NULL};
+    static char *kwlist[] = {"nbytes", "first_touch", "scratch", "fd", NULL};
     long long nbytes;
-    int first_touch = 0, scratch = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "L|pp", kwlist, &nbytes, &first_touch, &scratch))
+    int first_touch = 0, scratch = 0, fd = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "L|ppi", kwlist, &nbytes, &first_touch, &scratch, &fd))
         return NULL;
     if (nbytes < 0 || (unsigned long long)nbytes > (unsigned long long)PY_SSIZE_T_MAX) {
         PyErr_Format(PyExc_ValueError, "nbytes must be in [0, %zd], got %lld", PY_SSIZE_T_MAX, nbytes);
+        return NULL;
+    }
+    /* A shared file's memory is written by its creator only: zeroing it
+     * here, in every process that maps it, would wipe its rows. */
+    if (fd >= 0 && (first_touch || scratch)) {
+        PyErr_SetString(PyExc_ValueError, "a buffer over a shared file (fd) takes neither first_touch nor scratch");
         return NULL;
     }
     heb_host_buffer *self = (heb_host_buffer *)type->tp_alloc(type, 0);
@@ -39,7 +45,10 @@ static PyObject *heb_host_buffer_new(PyTypeObject *type, PyObject *args, PyObjec
     void *ptr = NULL;
     size_t mapped = (size_t)nbytes;
     Py_BEGIN_ALLOW_THREADS
-    st = scratch ? he_scratch_alloc((size_t)nbytes, &ptr, &mapped) : he_host_alloc((size_t)nbytes, &ptr);
+    if (fd >= 0)
+        st = he_host_map_shared(fd, (size_t)nbytes, &ptr);
+    else
+        st = scratch ? he_scratch_alloc((size_t)nbytes, &ptr, &mapped) : he_host_alloc((size_t)nbytes, &ptr);
     if (st == HE_OK && first_touch)
         st = he_host_first_touch(ptr, (size_t)nbytes);
     Py_END_ALLOW_THREADS
@@ -174,8 +183,9 @@ static PyBufferProcs heb_host_buffer_as_buffer = {
 static PyTypeObject heb_host_buffer_type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "hostembed._core._C.HostBuffer",
-    .tp_doc = "HostBuffer(nbytes, first_touch=False, scratch=False)\n--\n\n"
-              "Zeroed, lazily backed host memory; scratch=True: recycled on release, contents undefined",
+    .tp_doc = "HostBuffer(nbytes, first_touch=False, scratch=False, fd=-1)\n--\n\n"
+              "Zeroed, lazily backed host memory; scratch=True: recycled on release, contents undefined; "
+              "fd >= 0: the first nbytes of that file, mapped shared (the file's contents)",
     .tp_basicsize = sizeof(heb_host_buffer),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = heb_host_buffer_new,

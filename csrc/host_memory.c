@@ -53,6 +53,23 @@ he_status he_host_alloc(size_t bytes, void **out)
     return st;
 }
 
+he_status he_host_map_shared(int fd, size_t bytes, void **out)
+{
+    *out = NULL;
+    size_t len = mapped_size(bytes);
+    if (len < bytes)
+        return he_fail(HE_ERR_NOMEM, "could not map %zu bytes of shared memory: size overflows", bytes);
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED)
+        return he_fail(HE_ERR_NOMEM, "could not map %zu bytes of shared memory: %s", bytes, strerror(errno));
+#ifdef MADV_DONTFORK
+    /* As he_host_alloc's: a forked worker must not inherit the mapping. */
+    (void)madvise(p, len, MADV_DONTFORK);
+#endif
+    *out = p;
+    return HE_OK;
+}
+
 static struct {
     pthread_mutex_t lock;
     void *ptr[HE_SCRATCH_SLOTS];

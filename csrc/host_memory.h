@@ -11,6 +11,11 @@
  * A zero-byte request still returns a valid (one page) mapping. */
 he_status he_host_alloc(size_t bytes, void **out);
 
+/* Maps `bytes` of the file `fd` (at least that long) shared: the processes
+ * of one host that map the same file see one copy of a table, whatever
+ * their number. Freed by he_host_free. */
+he_status he_host_map_shared(int fd, size_t bytes, void **out);
+
 /* Writes zeros over the buffer from the worker threads so that, on a NUMA
  * machine, each page lands near the threads that will later use it. */
 he_status he_host_first_touch(void *ptr, size_t bytes);

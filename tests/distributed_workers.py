@@ -164,8 +164,52 @@ def rank_dies(rank, world):
     return {"message": None, "seconds": time.monotonic() - started}
 
 
+def _mapping_of(address):
+    """(perms, inode, path) of the mapping of this process holding `address`."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[1], int(fields[4]), fields[5].strip() if len(fields) > 5 else ""
+    return None
+
+
+def train_shared(rank, world, optimizer):
+    emb = hd.SharedEmbedding.from_pretrained(initial_table(), freeze=False)
+    cls, hyper = OPTIMIZERS[optimizer]
+    opt = cls(emb.parameters(), **hyper)
+    for step in range(STEPS):
+        ids, target = batch(step, rank)
+        (emb(ids) - target).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()  # the last updates done before the table is read
+    start, end = emb.row_range
+    state = {key: torch.as_tensor(value)[start:end].clone() for key, value in opt.state[emb.table.weight].items()
+             if torch.is_tensor(value) and value.dim() > 0}
+    return {"range": emb.row_range, "table": emb.table.weight.detach().clone(), "state": state,
+            "mapping": _mapping_of(emb.table.weight.data_ptr())}
+
+
+def shared_refusals(rank, world):
+    out = {}
+    try:
+        hd.SharedEmbedding(ROWS, DIM, _host=f"host{rank}")
+    except ValueError as exc:
+        out["hosts"] = str(exc)
+    emb = hd.SharedEmbedding(ROWS, DIM)
+    hostembed.SparseAdam(emb.parameters(), fused=True)
+    try:
+        emb(torch.tensor([rank]))
+    except NotImplementedError as exc:
+        out["fused"] = str(exc)
+    return out
+
+
 JOBS = {"train": train, "out_of_range": out_of_range, "mismatched": mismatched, "with_ddp": with_ddp,
-        "reshard": reshard, "load_foreign": load_foreign, "rank_dies": rank_dies}
+        "reshard": reshard, "load_foreign": load_foreign, "rank_dies": rank_dies,
+        "train_shared": train_shared, "shared_refusals": shared_refusals}
 
 
 def worker(rank, world, outdir, job, args):
@@ -175,6 +219,10 @@ def worker(rank, world, outdir, job, args):
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         result = JOBS[job](rank, world, *args)
+        if job != "rank_dies":  # its peer is gone
+            # Every rank done with the group before any tears it down:
+            # gloo aborts a process whose peer closes a connection in use.
+            dist.barrier()
     except Exception as exc:  # reported to the test, which fails with it
         result = {"error": f"{type(exc).__name__}: {exc}"}
     finally:

@@ -147,6 +147,31 @@ def test_a_rank_that_dies_mid_training_fails_the_others_promptly(tmp_path):
     assert results[0]["seconds"] < 60, "it failed only at the process group's timeout"
 
 
+@pytest.mark.parametrize("world, optimizer", [(2, "SGD"), (2, "SparseAdam"), (3, "RowWiseAdagrad")])
+def test_ranks_sharing_one_copy_train_like_one_table(tmp_path, world, optimizer):
+    results = run_ranks(world, "train_shared", tmp_path, optimizer)
+    emb, opt = reference(optimizer, False, world)
+    state = opt.state[emb.weight]
+    for r in results:
+        # Every rank sees the whole table, every rank's updates in it.
+        torch.testing.assert_close(r["table"], emb.weight.detach(), rtol=1e-5, atol=1e-6)
+        start, end = r["range"]
+        for key, value in r["state"].items():
+            torch.testing.assert_close(value, state[key][start:end], rtol=1e-5, atol=1e-6)
+    # One copy: every rank's rows are the same shared mapping of one
+    # (unlinked) /dev/shm file.
+    perms, inode, path = results[0]["mapping"]
+    assert perms.endswith("s") and "hostembed-" in path, results[0]["mapping"]
+    assert all(r["mapping"][1] == inode for r in results)
+    assert not torch.equal(emb.weight.detach(), initial_table()), "training changed nothing"
+
+
+def test_a_shared_table_refuses_ranks_on_other_hosts_and_fused_updates(tmp_path):
+    for r in run_ranks(2, "shared_refusals", tmp_path):
+        assert "one host" in r["hosts"] and "'host1'" in r["hosts"]
+        assert "fused=False" in r["fused"]
+
+
 def test_needs_an_initialised_process_group():
     import hostembed.distributed as hd
 

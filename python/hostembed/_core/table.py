@@ -175,11 +175,24 @@ def allocate(num_rows, dim, *, dtype=torch.float32, first_touch=False):
         raise MemoryError(f"hostembed: cannot allocate {what} ({exc})") from None
 
 
+def map_shared(fd, nbytes):
+    """A HostBuffer over the first `nbytes` of the file `fd`, mapped shared
+    (every process of a host that maps the file sees the same bytes), or a
+    MemoryError naming the size."""
+    try:
+        return _C.HostBuffer(nbytes, fd=fd)
+    except MemoryError as exc:
+        raise MemoryError(f"hostembed: cannot map {nbytes} bytes of shared memory ({exc})") from None
+
+
 class HostTable:
     """A [num_rows, dim] table in core-owned host memory, of one of the
     DTYPE_CODES dtypes; its optimizer state is in compute_dtype(dtype)."""
 
-    def __init__(self, num_rows, dim, *, dtype=torch.float32, first_touch=True):
+    def __init__(self, num_rows, dim, *, dtype=torch.float32, first_touch=True, rows_buffer=None):
+        """rows_buffer: a HostBuffer to hold the rows instead of a new one
+        (one mapped shared by the processes of a host, _C.HostBuffer(fd=));
+        its bytes are the rows as they are."""
         self.num_rows, self.dim = num_rows, dim
         self.dtype = dtype
         # Half tables: whether optimizer updates round the new weights
@@ -247,7 +260,15 @@ class HostTable:
         self._register_lock = threading.Lock()
         self.pid = os.getpid()
         # The rows' buffer, held strongly: the ops pass it to the core.
-        self.buffer, self.tensor = self._new_buffer(first_touch=first_touch)
+        if rows_buffer is None:
+            self.buffer, self.tensor = self._new_buffer(first_touch=first_touch)
+        else:
+            if rows_buffer.nbytes < num_rows * dim * dtype.itemsize:
+                raise ValueError(f"hostembed: a [{num_rows}, {dim}] {dtype_name(dtype)} table needs "
+                                 f"{num_rows * dim * dtype.itemsize} bytes, the buffer has {rows_buffer.nbytes}")
+            if rows_buffer.nbytes:
+                self._buffers[rows_buffer.address] = rows_buffer
+            self.buffer, self.tensor = rows_buffer, host_tensor(rows_buffer, num_rows, dim, dtype)
         if self.tensor.numel():
             _by_address[self.tensor.data_ptr()] = self
         # An int naming this table to ops that cannot take the table (or a

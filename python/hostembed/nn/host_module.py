@@ -192,6 +192,20 @@ class HostTableModule:
         self._table.bind(weight)
         self._make_cache()
 
+    def _use_table(self, table) -> None:
+        """Points the module at `table`, a HostTable of its shape and dtype
+        (one in memory shared between processes): the weight becomes a new
+        parameter over its rows, and the table the module had is dropped."""
+        old = self._table
+        if (table.num_rows, table.dim, table.dtype) != (old.num_rows, old.dim, old.dtype):
+            raise ValueError(f"{self._get_name()}: a [{table.num_rows}, {table.dim}] {table.dtype} table cannot "
+                             f"replace a [{old.num_rows}, {old.dim}] {old.dtype} one")
+        weight = nn.Parameter(table.tensor, requires_grad=self._parameters["weight"].requires_grad)
+        self._table = table
+        self.weight = weight
+        table.bind(weight)
+        self._make_cache()
+
     def _record_path(self, path) -> None:
         """Notes which path the last lookup took (tests and benchmarks read
         _last_lookup_path). A plain attribute, set without

@@ -1,0 +1,161 @@
+"""SharedEmbedding: one copy of a table in a host's memory for all the
+ranks of a torch.distributed group on that host."""
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._core.table import HostTable, map_shared
+from ..io.stream import copy_rows
+from ..nn.embedding import Embedding
+from ..nn.host_module import UNINITIALISED, padding_index
+from .exchange import exchange, exchange_counts, split_by_owner
+
+WHO = "hostembed.distributed.SharedEmbedding"
+
+
+class SharedEmbedding(nn.Module):
+    r"""An embedding table whose rows every rank of a process group on one
+    host reads and writes in the same memory: one copy of the table
+    whatever the number of ranks (a file in ``/dev/shm`` that each rank
+    maps, unlinked once they all have), where each rank would otherwise
+    hold its own.
+
+    ``forward(ids)`` looks each rank's own ids up straight from the shared
+    rows (no traffic), on the CPU. Each rank updates only the rows of its
+    range, ``[r * N // W, (r + 1) * N // W)``: after backward, the ranks
+    exchange their gradient rows by range (all-to-all), so each rank's
+    ``weight.grad`` holds the rows of its range from every rank's batch
+    (the gradient of the sum of the ranks' losses), and its optimizer
+    updates those rows, and their state, which stays in the rank's own
+    memory (only its range's pages are ever written). Each forward starts
+    with a barrier, so no rank reads a row another rank is still updating.
+    Every rank must call forward and backward the same number of times,
+    like any collective.
+
+    Optimizers: hostembed's SparseAdam, SGD, Adagrad and RowWiseAdagrad
+    with ``fused=False`` (a fused update runs in backward, before the
+    exchange: refused at the first forward after it is made). Arguments
+    as :class:`hostembed.Embedding` (``num_embeddings``, ``embedding_dim``,
+    ``padding_idx``, ``dtype``) and ``process_group`` (default: the
+    world), whose ranks must all be on this host (``ValueError``
+    otherwise; :class:`ShardedEmbedding` spreads a table over hosts).
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, *, process_group=None, dtype=None,
+                 _weight=None, _host=None):
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"{WHO} needs torch.distributed initialised first (torch.distributed."
+                               "init_process_group)")
+        group = process_group if process_group is not None else dist.group.WORLD
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        padding_idx = padding_index(padding_idx, num_embeddings)
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        spec = (int(num_embeddings), int(embedding_dim), padding_idx, str(dtype))
+        # _host: which host this rank is on, for tests that play several.
+        seen = [None] * world
+        dist.all_gather_object(seen, (spec, socket.gethostname() if _host is None else _host), group=group)
+        if any(s != seen[0][0] for s, _ in seen):
+            described = "; ".join(f"rank {r}: (num_embeddings, embedding_dim, padding_idx, dtype) = {s}"
+                                  for r, (s, _) in enumerate(seen))
+            raise ValueError(f"{WHO}: every rank must build the same table, got {described}")
+        if len({host for _, host in seen}) > 1:
+            raise ValueError(f"{WHO}: the ranks of one shared table must be on one host, got "
+                             f"{', '.join(f'rank {r} on {h!r}' for r, (_, h) in enumerate(seen))}; "
+                             "hostembed.distributed.ShardedEmbedding spreads a table over hosts")
+        if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
+            raise ValueError(f"{WHO}: the table's values must be [{num_embeddings}, {embedding_dim}], got "
+                             f"{list(_weight.shape)}")
+        self.num_embeddings, self.embedding_dim, self.padding_idx = int(num_embeddings), int(embedding_dim), padding_idx
+        self.process_group, self.rank, self.world_size = group, rank, world
+        bounds = [self.num_embeddings * r // world for r in range(world + 1)]
+        self._bounds = torch.tensor(bounds, dtype=torch.int64)
+        self.row_range = (bounds[rank], bounds[rank + 1])
+        table = HostTable(num_embeddings, embedding_dim, dtype=dtype,
+                          rows_buffer=_map_group_file(num_embeddings * embedding_dim * dtype.itemsize, group))
+        self.table = Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype, _weight=UNINITIALISED)
+        self.table._use_table(table)
+        start, end = self.row_range
+        with torch.no_grad():  # each rank writes its own rows; then all of them may read
+            if _weight is not None:
+                copy_rows(table.tensor[start:end], _weight[start:end])
+            else:
+                table.tensor[start:end].normal_()  # torch's init: N(0, 1), the padding row zero
+                if padding_idx is not None and start <= padding_idx < end:
+                    table.tensor[padding_idx].zero_()
+        dist.barrier(group=group)
+        self.table.weight.register_post_accumulate_grad_hook(self._exchange_gradient)
+
+    @classmethod
+    def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, *, process_group=None):
+        """A shared table holding `embeddings` (the whole [N, D] table; each
+        rank copies its range in)."""
+        if embeddings.dim() != 2:
+            raise ValueError(f"{WHO}: embeddings must be 2-D, got {embeddings.dim()}-D")
+        module = cls(*embeddings.shape, padding_idx, process_group=process_group, dtype=embeddings.dtype,
+                     _weight=embeddings)
+        module.table.weight.requires_grad_(not freeze)
+        return module
+
+    def forward(self, input):
+        table = self.table._table
+        if table.fused:
+            raise NotImplementedError(f"{WHO}: a fused=True optimizer updates the rows in backward, before the "
+                                      "ranks' gradients are exchanged; use fused=False")
+        # Every rank's last update is done before any rank reads.
+        dist.barrier(group=self.process_group)
+        return self.table(input)
+
+    def _exchange_gradient(self, param):
+        """weight.grad becomes the rows of this rank's range from every
+        rank's gradient, in rank order (the optimizers sum repeated rows in
+        that order)."""
+        grad = param.grad
+        if not grad.is_sparse:
+            raise RuntimeError(f"{WHO}: the ranks exchange row-sparse gradients; this one is dense (an optimizer "
+                               "that needs dense gradients cannot update a shared table)")
+        indices, values = grad._indices()[0], grad._values()
+        if indices.numel() > 1 and not bool((indices[1:] >= indices[:-1]).all()):
+            order = torch.argsort(indices, stable=True)  # several lookups' rows, concatenated
+            indices, values = indices[order], values[order]
+        send = split_by_owner(indices, self._bounds)
+        group = self.process_group
+        recv = exchange_counts(send, group)
+        mine, rows = exchange(indices, send, recv, group), exchange(values, send, recv, group)
+        param.grad = torch.sparse_coo_tensor(mine.unsqueeze(0), rows, grad.shape)
+
+    def extra_repr(self):
+        start, end = self.row_range
+        return (f"{self.num_embeddings}, {self.embedding_dim}, one copy for {self.world_size} ranks, rank "
+                f"{self.rank} updates rows [{start}, {end})")
+
+
+def _map_group_file(nbytes, group):
+    """A HostBuffer over a new /dev/shm file that every rank of `group`
+    maps: made and sized by the group's first rank, opened by the others,
+    unlinked once all have it mapped (the memory lives until the last
+    rank drops it)."""
+    rank = dist.get_rank(group)
+    fd = path = None
+    if rank == 0:
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="hostembed-", dir=directory)
+    paths = [path]
+    try:
+        if rank == 0:
+            os.ftruncate(fd, max(nbytes, 1))
+        dist.broadcast_object_list(paths, group_src=0, group=group)
+        if rank != 0:
+            fd = os.open(paths[0], os.O_RDWR)
+        return map_shared(fd, nbytes)
+    finally:
+        if fd is not None:
+            os.close(fd)
+        # Every rank has mapped it (or failed to) before the name goes.
+        dist.barrier(group=group)
+        if rank == 0:
+            os.unlink(path)
