@@ -270,6 +270,34 @@ static void test_host_memory(void)
     CHECK(huge == NULL);
     CHECK_MSG("18446744073709551615");
 
+    /* Two mappings of one file (as two ranks of a host map it) are one
+     * copy: a write through one is read through the other, and a file that
+     * is not open fails with the system's reason. */
+    char path[] = "/tmp/he_test_shared_XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0);
+    if (fd >= 0) {
+        unlink(path);
+        size_t shared_bytes = 3 * page + 5;
+        CHECK(ftruncate(fd, (off_t)shared_bytes) == 0);
+        void *a = NULL, *b = NULL;
+        CHECK_ST(he_host_map_shared(fd, shared_bytes, &a), HE_OK);
+        CHECK_ST(he_host_map_shared(fd, shared_bytes, &b), HE_OK);
+        if (a && b) {
+            CHECK(a != b);
+            CHECK(all_zero(b, shared_bytes));
+            memset(a, 0x5A, shared_bytes);
+            CHECK(((unsigned char *)b)[shared_bytes - 1] == 0x5A && ((unsigned char *)b)[0] == 0x5A);
+        }
+        he_host_free(a, shared_bytes);
+        he_host_free(b, shared_bytes);
+        close(fd);
+        void *none = (void *)&none;
+        CHECK_ST(he_host_map_shared(fd, shared_bytes, &none), HE_ERR_NOMEM);
+        CHECK(none == NULL);
+        CHECK_MSG("shared memory");
+    }
+
     set_threads(1);
     group_end("host_memory");
 }
