@@ -70,31 +70,35 @@ def mismatched(rank, world):
 
 
 class _Model(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, kind):
         super().__init__()
-        self.emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False)
+        self.emb = getattr(hd, kind).from_pretrained(initial_table(), freeze=False)
         self.dense = torch.nn.Linear(DIM, 1)
 
     def forward(self, ids):
         return self.dense(self.emb(ids)).squeeze(-1)
 
 
-def with_ddp(rank, world):
+def with_ddp(rank, world, kind):
     """A sharded table and a dense layer under DDP: the dense gradient is
     averaged over the ranks, the table kept out of the all-reduce (DDP
     cannot reduce a sparse gradient whose rows differ by rank anyway)."""
     torch.manual_seed(0)
-    model = _Model()
+    model = _Model(kind)
     hd.exclude_from_ddp(model)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ids, target = batch(0, rank)
     (ddp(ids) - target[..., 0]).pow(2).sum().backward()
     # This rank's own dense gradient, without DDP, for the test to average.
-    alone = _Model()
+    alone = _Model(kind)
     alone.load_state_dict(model.state_dict())
     (alone(ids) - target[..., 0]).pow(2).sum().backward()
+    table = model.emb.shard if kind == "ShardedEmbedding" else model.emb.table
+    table_alone = alone.emb.shard if kind == "ShardedEmbedding" else alone.emb.table
     return {"dense_grad": model.dense.weight.grad.clone(), "own_dense_grad": alone.dense.weight.grad.clone(),
-            "shard_has_grad": model.emb.shard.weight.grad is not None}
+            "ignored": sorted(ddp.parameters_to_ignore),
+            # The table's gradient is the same with DDP as without: DDP did not average it.
+            "table_grad_same": torch.equal(table.weight.grad.to_dense(), table_alone.weight.grad.to_dense())}
 
 
 def global_batch(step):

@@ -5,6 +5,8 @@ on the ranks' batches together; bad ids and mismatched tables fail on every
 rank; DDP leaves the table alone."""
 import multiprocessing
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -94,12 +96,14 @@ def test_ranks_building_different_tables_are_refused_on_every_rank(tmp_path):
         assert r["message"] is not None and "rank 0" in r["message"] and "rank 1" in r["message"]
 
 
-def test_ddp_averages_the_dense_part_and_leaves_the_table_out(tmp_path):
-    results = run_ranks(2, "with_ddp", tmp_path)
+@pytest.mark.parametrize("kind", ["ShardedEmbedding", "SharedEmbedding"])
+def test_ddp_averages_the_dense_part_and_leaves_the_table_out(tmp_path, kind):
+    results = run_ranks(2, "with_ddp", tmp_path, kind)
     mean = torch.stack([r["own_dense_grad"] for r in results]).mean(0)
     for r in results:
         torch.testing.assert_close(r["dense_grad"], mean)
-        assert r["shard_has_grad"]
+        assert r["ignored"] == ["emb.shard.weight" if kind == "ShardedEmbedding" else "emb.table.weight"]
+        assert r["table_grad_same"]
 
 
 def _whole(results, key):
@@ -170,6 +174,19 @@ def test_a_shared_table_refuses_ranks_on_other_hosts_and_fused_updates(tmp_path)
     for r in run_ranks(2, "shared_refusals", tmp_path):
         assert "one host" in r["hosts"] and "'host1'" in r["hosts"]
         assert "fused=False" in r["fused"]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["sharded", "shared"])
+def test_the_torchrun_example_trains_and_saves(tmp_path, shared):
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                           "train_sharded.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", example,
+               "--steps", "3", "--users", "2000", "--items", "500", "--batch", "64",
+               "--checkpoint-dir", str(tmp_path)] + (["--shared"] if shared else [])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step 2: loss" in done.stdout
+    assert sorted(os.listdir(tmp_path)) == ["rank0.pt", "rank1.pt"]
 
 
 def test_needs_an_initialised_process_group():

@@ -8,7 +8,8 @@ load_resharded loads the ranks' checkpoints into another number of ranks.
 Imported on its own (``import hostembed.distributed``); a layer above nn/
 and optim/."""
 from .checkpoint import load_resharded
+from .ddp import exclude_from_ddp
 from .shared_embedding import SharedEmbedding
-from .sharded_embedding import ShardedEmbedding, exclude_from_ddp
+from .sharded_embedding import ShardedEmbedding
 
 __all__ = ["ShardedEmbedding", "SharedEmbedding", "exclude_from_ddp", "load_resharded"]

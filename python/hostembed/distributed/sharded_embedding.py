@@ -121,14 +121,3 @@ class ShardedEmbedding(nn.Module):
         start, end = self.row_range
         return (f"{self.num_embeddings}, {self.embedding_dim}, rank {self.rank} of {self.world_size} holds rows "
                 f"[{start}, {end})")
-
-
-def exclude_from_ddp(model: nn.Module) -> None:
-    """Keeps every ShardedEmbedding in `model` out of
-    DistributedDataParallel's gradient all-reduce (its ranks hold different
-    rows, updated from the gradients the exchange already summed): call it
-    before wrapping `model` in DDP."""
-    names = [f"{prefix}.{name}" if prefix else name
-             for prefix, module in model.named_modules() if isinstance(module, ShardedEmbedding)
-             for name, _ in [*module.named_parameters(), *module.named_buffers()]]
-    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
