@@ -8,7 +8,7 @@ from torch import nn
 from .._core.ids import prepare_ids
 from .._core.ops import cpu as cpu_ops
 from ..nn.embedding import Embedding
-from ..nn.host_module import padding_index
+from .agreement import agree, check_pretrained
 from .exchange import ExchangeRows, ExpandRows, exchange, split_by_owner
 
 WHO = "hostembed.distributed.ShardedEmbedding"
@@ -46,26 +46,11 @@ class ShardedEmbedding(nn.Module):
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, *, process_group=None, sparse=True,
                  dtype=None, _weight=None):
         super().__init__()
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(f"{WHO} needs torch.distributed initialised first (torch.distributed."
-                               "init_process_group)")
-        group = process_group if process_group is not None else dist.group.WORLD
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        padding_idx = padding_index(padding_idx, num_embeddings)
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        spec = (int(num_embeddings), int(embedding_dim), padding_idx, str(dtype), bool(sparse))
-        specs = [None] * world
-        dist.all_gather_object(specs, spec, group=group)
-        if any(s != specs[0] for s in specs):
-            described = "; ".join(f"rank {r}: (num_embeddings, embedding_dim, padding_idx, dtype, sparse) = {s}"
-                                  for r, s in enumerate(specs))
-            raise ValueError(f"{WHO}: every rank must build the same table, got {described}")
-        if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
-            raise ValueError(f"{WHO}: the table's values must be [{num_embeddings}, {embedding_dim}], got "
-                             f"{list(_weight.shape)}")
+        agreed = agree(WHO, num_embeddings, embedding_dim, padding_idx, dtype, process_group, _weight,
+                       flags=(bool(sparse),))
+        group, rank, world, padding_idx, dtype, bounds = agreed[:6]
         self.num_embeddings, self.embedding_dim, self.padding_idx = int(num_embeddings), int(embedding_dim), padding_idx
         self.process_group, self.rank, self.world_size = group, rank, world
-        bounds = [self.num_embeddings * r // world for r in range(world + 1)]
         self._bounds = torch.tensor(bounds, dtype=torch.int64)
         start, end = bounds[rank], bounds[rank + 1]
         self.row_range = (start, end)
@@ -77,8 +62,7 @@ class ShardedEmbedding(nn.Module):
     def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, *, process_group=None, sparse=True):
         """A table holding `embeddings` (the whole [N, D] table, the same on
         every rank), each rank keeping its own rows."""
-        if embeddings.dim() != 2:
-            raise ValueError(f"{WHO}: embeddings must be 2-D, got {embeddings.dim()}-D")
+        check_pretrained(WHO, embeddings)
         module = cls(*embeddings.shape, padding_idx, process_group=process_group, sparse=sparse,
                      dtype=embeddings.dtype, _weight=embeddings)
         module.shard.weight.requires_grad_(not freeze)

@@ -11,7 +11,8 @@ from torch import nn
 from .._core.table import HostTable, map_shared
 from ..io.stream import copy_rows
 from ..nn.embedding import Embedding
-from ..nn.host_module import UNINITIALISED, padding_index
+from ..nn.host_module import UNINITIALISED
+from .agreement import agree, check_pretrained
 from .exchange import exchange, exchange_counts, split_by_owner
 
 WHO = "hostembed.distributed.SharedEmbedding"
@@ -48,31 +49,16 @@ class SharedEmbedding(nn.Module):
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, *, process_group=None, dtype=None,
                  _weight=None, _host=None):
         super().__init__()
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(f"{WHO} needs torch.distributed initialised first (torch.distributed."
-                               "init_process_group)")
-        group = process_group if process_group is not None else dist.group.WORLD
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        padding_idx = padding_index(padding_idx, num_embeddings)
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        spec = (int(num_embeddings), int(embedding_dim), padding_idx, str(dtype))
         # _host: which host this rank is on, for tests that play several.
-        seen = [None] * world
-        dist.all_gather_object(seen, (spec, socket.gethostname() if _host is None else _host), group=group)
-        if any(s != seen[0][0] for s, _ in seen):
-            described = "; ".join(f"rank {r}: (num_embeddings, embedding_dim, padding_idx, dtype) = {s}"
-                                  for r, (s, _) in enumerate(seen))
-            raise ValueError(f"{WHO}: every rank must build the same table, got {described}")
-        if len({host for _, host in seen}) > 1:
+        agreed = agree(WHO, num_embeddings, embedding_dim, padding_idx, dtype, process_group, _weight,
+                       extra=socket.gethostname() if _host is None else _host)
+        group, rank, world, padding_idx, dtype, bounds, hosts = agreed
+        if len(set(hosts)) > 1:
             raise ValueError(f"{WHO}: the ranks of one shared table must be on one host, got "
-                             f"{', '.join(f'rank {r} on {h!r}' for r, (_, h) in enumerate(seen))}; "
+                             f"{', '.join(f'rank {r} on {h!r}' for r, h in enumerate(hosts))}; "
                              "hostembed.distributed.ShardedEmbedding spreads a table over hosts")
-        if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
-            raise ValueError(f"{WHO}: the table's values must be [{num_embeddings}, {embedding_dim}], got "
-                             f"{list(_weight.shape)}")
         self.num_embeddings, self.embedding_dim, self.padding_idx = int(num_embeddings), int(embedding_dim), padding_idx
         self.process_group, self.rank, self.world_size = group, rank, world
-        bounds = [self.num_embeddings * r // world for r in range(world + 1)]
         self._bounds = torch.tensor(bounds, dtype=torch.int64)
         self.row_range = (bounds[rank], bounds[rank + 1])
         table = HostTable(num_embeddings, embedding_dim, dtype=dtype,
@@ -94,8 +80,7 @@ class SharedEmbedding(nn.Module):
     def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, *, process_group=None):
         """A shared table holding `embeddings` (the whole [N, D] table; each
         rank copies its range in)."""
-        if embeddings.dim() != 2:
-            raise ValueError(f"{WHO}: embeddings must be 2-D, got {embeddings.dim()}-D")
+        check_pretrained(WHO, embeddings)
         module = cls(*embeddings.shape, padding_idx, process_group=process_group, dtype=embeddings.dtype,
                      _weight=embeddings)
         module.table.weight.requires_grad_(not freeze)
