@@ -100,10 +100,11 @@ def rank_main(rank, procs, args, kind, path, out_path):
     if rank == 0:
         torch.save({"seconds": seconds, "rss_bytes": int(memory[0]), "pss_bytes": int(memory[1]),
                     "threads": threads}, out_path)
-    # Every rank done with the group before any tears it down: gloo aborts
-    # a process whose peer closes a connection it still uses.
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.barrier()  # every rank's collectives done
+    # Out at once, without tearing the group down: on torch 2.13 a gloo
+    # group's teardown aborts a process now and then ("terminate called
+    # without an active exception"), after its work is done.
+    os._exit(0)
 
 
 def run_procs(procs, args, kind):

@@ -186,8 +186,7 @@ def rank_main(rank, procs, args, path, out_path, check):
         if rank == 0:
             torch.save({"check": results}, out_path)
         dist.barrier()  # as below
-        dist.destroy_process_group()
-        return
+        os._exit(0)
 
     batches = [make_kjt(b.tensor_split(procs)[rank]) for b in sharded_global_batches(args)]
     model, plan = build_model(args.rows, args.dim, procs)
@@ -204,10 +203,11 @@ def rank_main(rank, procs, args, path, out_path, check):
     dist.all_reduce(rss, group=dist.group.WORLD)
     if rank == 0:
         torch.save({"seconds": seconds, "rss_bytes": int(rss), "threads": threads, "plan": str(plan)}, out_path)
-    # Every rank done with the group before any tears it down: gloo aborts
-    # a process whose peer closes a connection it still uses.
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.barrier()  # every rank's collectives done
+    # Out at once, without tearing the group down: on torch 2.13 a gloo
+    # group's teardown aborts a process now and then ("terminate called
+    # without an active exception"), after its work is done.
+    os._exit(0)
 
 
 def run_procs(procs, args, check=False):
