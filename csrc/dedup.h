@@ -16,6 +16,7 @@ typedef struct he_dedup {
     int64_t *unique;    /* [num_unique], ascending */
     int64_t *offsets;   /* [num_unique + 1]: positions of unique[k] are order[offsets[k]..offsets[k+1]) */
     uint32_t *order;    /* [count]: positions sorted by (id, position) */
+    struct he_dedup_memory *memory; /* where the arrays live (dedup.c) */
 } he_dedup;
 
 /* Fails with HE_ERR_INDEX naming the first id outside [0, num_rows). */

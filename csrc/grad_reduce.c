@@ -36,6 +36,50 @@ typedef struct reduce_job {
 #undef REAL
 #undef SUM_ROWS
 
+/* Bytes of sums a fused chunk keeps: L1-sized, so they are still there
+ * when the chunk's updates read them. */
+#define HE_REDUCE_CHUNK_BYTES (16 << 10)
+
+/* The fused path for rows of at most HE_REDUCE_BLOCK columns, a chunk of
+ * unique ids [begin, chunk end) at a time: first every sum of the chunk,
+ * asking for each id's destination rows as its sum is made, then every
+ * update. Summing and updating in one loop, id by id, left each id's
+ * random gradient reads and random row updates waiting on DRAM one after
+ * the other (measured: 7.8 ms for 65,536 ids of a 2M x 64 table, against
+ * 5.1 ms for the unfused reduce then update); apart, each loop keeps
+ * several misses in flight, and the destination rows arrive while the
+ * sums are made. The same sums, updates and order as id by id. Returns
+ * the chunk's end. */
+static int64_t reduce_chunk_apply(const reduce_job *job, int64_t begin, int64_t end, int64_t prefetch_end)
+{
+    const he_dedup *d = job->d;
+    const he_row_update *update = job->update;
+    int64_t dim = job->dim;
+    size_t elem = job->f64 ? sizeof(double) : sizeof(float);
+    _Alignas(64) double sums[HE_REDUCE_CHUNK_BYTES / sizeof(double)];
+    int64_t per_chunk = HE_REDUCE_CHUNK_BYTES / (int64_t)(dim * elem);
+    if (per_chunk < 1)
+        per_chunk = 1; /* dim <= HE_REDUCE_BLOCK: one row always fits */
+    int64_t stop = end - begin < per_chunk ? end : begin + per_chunk;
+    for (int64_t k = begin; k < stop; k++) {
+        if (k == job->skip_at)
+            continue;
+        if (update->prefetch)
+            update->prefetch(update->ctx, d->unique[k]);
+        int64_t first = d->offsets[k], last = d->offsets[k + 1];
+        double scale = 1.0 / (double)(last - first);
+        char *sum = (char *)sums + (size_t)((k - begin) * dim) * elem;
+        if (job->f64)
+            sum_rows_f64((double *)sum, job, first, last, prefetch_end, 0, dim, scale);
+        else
+            sum_rows_f32((float *)sum, job, first, last, prefetch_end, 0, dim, (float)scale);
+    }
+    for (int64_t k = begin; k < stop; k++)
+        if (k != job->skip_at)
+            update->apply(update->ctx, d->unique[k], 0, (const char *)sums + (size_t)((k - begin) * dim) * elem, dim);
+    return stop;
+}
+
 /* The update path sums a block of columns at a time (HE_REDUCE_BLOCK) into
  * a buffer on the stack and hands it on while it is in L1: every element's
  * sum is the same operations in the same order as a whole-row sum, so the
@@ -74,6 +118,10 @@ static void reduce_range(void *ctx, int64_t begin, int64_t end)
                     sum_rows_f32((float *)out + col, job, first, last, prefetch_end, col, n, (float)scale);
                 }
             }
+            continue;
+        }
+        if (dim <= HE_REDUCE_BLOCK) {
+            k = reduce_chunk_apply(job, k, end, prefetch_end) - 1;
             continue;
         }
         /* The destination rows wait on DRAM as the update's do. */

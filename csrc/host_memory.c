@@ -86,10 +86,31 @@ static size_t size_class(size_t bytes)
     return len < bytes ? bytes : mapped_size(len);
 }
 
+/* A fork while another thread holds the lock (a sort or a lookup with the
+ * GIL released) would leave the child's copy locked for good: the lock is
+ * held across fork() and released on both sides. */
+static void scratch_lock(void)
+{
+    pthread_mutex_lock(&scratch.lock);
+}
+
+static void scratch_unlock(void)
+{
+    pthread_mutex_unlock(&scratch.lock);
+}
+
+static pthread_once_t scratch_atfork_once = PTHREAD_ONCE_INIT;
+
+static void scratch_register_atfork(void)
+{
+    (void)pthread_atfork(scratch_lock, scratch_unlock, scratch_unlock);
+}
+
 he_status he_scratch_alloc(size_t bytes, void **out, size_t *mapped)
 {
     size_t len = size_class(bytes);
     *mapped = len;
+    pthread_once(&scratch_atfork_once, scratch_register_atfork);
     pthread_mutex_lock(&scratch.lock);
     for (int i = 0; i < HE_SCRATCH_SLOTS; i++) {
         if (scratch.len[i] == len) {

@@ -31,7 +31,7 @@ void he_host_free(void *ptr, size_t bytes);
  * output tensor it inherited. No huge-page hint either: with THP defrag on
  * "madvise" a huge-page fault may stall on compaction, and these buffers
  * are read sequentially. */
-#define HE_SCRATCH_SLOTS 8
+#define HE_SCRATCH_SLOTS 32
 #define HE_SCRATCH_MAX_BYTES ((size_t)4 << 30)
 
 /* *mapped gets the buffer's real size (>= bytes): sizes are rounded up to
