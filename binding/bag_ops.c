@@ -13,7 +13,7 @@
  * one table's part, its offsets as torch's embedding_bag takes them
  * (int64). With include_last_offset the last offset ends the last bag;
  * without, the last bag ends at count. */
-static int heb_parse_bag_batch(PyObject *item, he_bag_batch *out)
+int heb_parse_bag_batch(PyObject *item, he_bag_batch *out)
 {
     HEB_BUFFER(table);
     HEB_ADDRESS(ids);

@@ -64,6 +64,11 @@ int heb_buffer_table(const heb_buffer *buf, long long num_rows, long long dim, i
 
 /* Registration, called once from PyInit__C: each adds its types and
  * functions to the module; 0 on success, -1 with an exception set. */
+/* bag_ops.c: a bag batch tuple (its layout there) into out; -1 with an
+ * exception set. out points into the tuple's objects: keep it alive. */
+struct he_bag_batch;
+int heb_parse_bag_batch(PyObject *item, struct he_bag_batch *out);
+
 int heb_host_buffer_add(PyObject *module); /* host_buffer.c: HostBuffer */
 int heb_cpu_ops_add(PyObject *module);     /* cpu_ops.c: Dedup, gather, grad_reduce, renorm, sparse_update */
 int heb_bag_ops_add(PyObject *module);     /* bag_ops.c: pool_bags, bag_positions */

@@ -287,32 +287,44 @@ static PyObject *heb_sparse_update(PyObject *mod, PyObject *args, PyObject *kwds
     Py_RETURN_NONE;
 }
 
-/* One table's fused update, its keyword arguments, into out; 0
- * with an exception set. The objects they name stay alive with args and
- * kwds (the caller's). */
-static int heb_parse_fused(PyObject *args, PyObject *kwds, he_fused_update *out)
+/* One table's fused update, its keyword arguments, into out; 0 with an
+ * exception set. dedup None: the core sorts the ids itself, those of bags
+ * (a bag batch tuple, parsed into *bags: its positions stand for bag_of,
+ * row_weights and num_bags) or else ids/count/ids_int64. The objects they
+ * name stay alive with args and kwds (the caller's). */
+static int heb_parse_fused(PyObject *args, PyObject *kwds, he_fused_update *out, he_bag_batch *bags)
 {
     static char *kwlist[] = {"dedup", "grad", "padding_idx", "scale_grad_by_freq", "kind", "weight", "state",
                              "num_rows", "dim", "lr", "beta1", "beta2", "eps", "lr_decay", "step", "maximize",
                              "weight_decay", "bag_of", "row_weights", "num_bags", "dtype", "grad_dtype",
-                             "stochastic_rounding", "seed", NULL};
-    heb_dedup *dedup;
+                             "stochastic_rounding", "seed", "ids", "count", "ids_int64", "bags", NULL};
+    PyObject *dedup, *bag_batch = Py_None;
     HEB_ADDRESS(grad);
     HEB_BUFFER(weight);
     HEB_ADDRESS(bag_of);
     HEB_ADDRESS(row_weights);
+    HEB_ADDRESS(ids);
     PyObject *state;
-    long long padding_idx, num_rows, dim, step, num_bags;
+    long long padding_idx, num_rows, dim, step, num_bags, count = 0;
     unsigned long long seed;
-    int scale, maximize, dtype, grad_dtype, stochastic;
+    int scale, maximize, dtype, grad_dtype, stochastic, ids_int64 = 1;
     he_optim_params hp = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LpiO&O!LLdddddLpdO&O&LiipK:sparse_update_fused_many", kwlist,
-                                     &heb_dedup_type, &dedup, heb_address_converter, &grad, &padding_idx, &scale,
-                                     &hp.kind, heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows,
-                                     &dim, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize,
-                                     &hp.weight_decay, heb_address_converter, &bag_of, heb_address_converter,
-                                     &row_weights, &num_bags, &dtype, &grad_dtype, &stochastic, &seed))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO&LpiO&O!LLdddddLpdO&O&LiipK|O&LpO:sparse_update_fused_many",
+                                     kwlist, &dedup, heb_address_converter, &grad, &padding_idx, &scale, &hp.kind,
+                                     heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows, &dim, &hp.lr,
+                                     &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize, &hp.weight_decay,
+                                     heb_address_converter, &bag_of, heb_address_converter, &row_weights, &num_bags,
+                                     &dtype, &grad_dtype, &stochastic, &seed, heb_address_converter, &ids, &count,
+                                     &ids_int64, &bag_batch))
         return 0;
+    if (dedup != Py_None && !PyObject_TypeCheck(dedup, &heb_dedup_type)) {
+        PyErr_Format(PyExc_TypeError, "dedup must be a Dedup or None, got %.100s", Py_TYPE(dedup)->tp_name);
+        return 0;
+    }
+    if (count < 0) {
+        PyErr_Format(PyExc_ValueError, "count must be >= 0, got %lld", count);
+        return 0;
+    }
     hp.step = step;
     hp.maximize = maximize;
     hp.stochastic_rounding = stochastic;
@@ -320,7 +332,15 @@ static int heb_parse_fused(PyObject *args, PyObject *kwds, he_fused_update *out)
     if (heb_optim_tables(&weight, state, num_rows, dim, dtype, &hp, &out->weight, out->state, &out->num_state) < 0)
         return 0;
     he_reduce_opts opts = {padding_idx, scale, bag_of.ptr, row_weights.ptr, num_bags, grad_dtype};
-    out->d = dedup->d;
+    out->d = dedup == Py_None ? NULL : ((heb_dedup *)dedup)->d;
+    out->ids = (he_ids){ids.ptr, count, ids_int64};
+    out->bags = NULL;
+    if (bag_batch != Py_None) {
+        if (heb_parse_bag_batch(bag_batch, bags) < 0)
+            return 0;
+        out->bags = bags;
+    }
+    out->grad_rows = num_bags;
     out->grad = grad.ptr;
     out->opts = opts;
     out->hp = hp;
@@ -329,7 +349,7 @@ static int heb_parse_fused(PyObject *args, PyObject *kwds, he_fused_update *out)
 
 /* The fused backward of one or several tables in one call (a list of
  * dicts, each one table's keywords: heb_parse_fused): grad_reduce of each
- * batch's Dedup straight into the optimizer's row update,
+ * batch's sort straight into the optimizer's row update,
  * he_sparse_update_fused_many. */
 static PyObject *heb_sparse_update_fused_many(PyObject *mod, PyObject *args, PyObject *kwds)
 {
@@ -340,9 +360,10 @@ static PyObject *heb_sparse_update_fused_many(PyObject *mod, PyObject *args, PyO
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(list);
     he_fused_update *updates = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *updates);
+    he_bag_batch *bags = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *bags);
     PyObject *empty = PyTuple_New(0);
     PyObject *result = NULL;
-    if (!updates || !empty) {
+    if (!updates || !bags || !empty) {
         PyErr_NoMemory();
         goto done;
     }
@@ -353,8 +374,12 @@ static PyObject *heb_sparse_update_fused_many(PyObject *mod, PyObject *args, PyO
                          i, Py_TYPE(item)->tp_name);
             goto done;
         }
-        if (!heb_parse_fused(empty, item, &updates[i]))
+        if (!heb_parse_fused(empty, item, &updates[i], &bags[i]))
             goto done;
+        if (!updates[i].d && !updates[i].bags && updates[i].ids.count && !updates[i].ids.data) {
+            PyErr_Format(PyExc_ValueError, "updates[%zd]: no dedup, bags or ids", i);
+            goto done;
+        }
     }
     he_status st;
     /* The list (and the Dedups and buffers its dicts hold) stays alive: our
@@ -369,6 +394,7 @@ static PyObject *heb_sparse_update_fused_many(PyObject *mod, PyObject *args, PyO
 done:
     Py_XDECREF(empty);
     PyMem_Free(updates);
+    PyMem_Free(bags);
     return result;
 }
 
@@ -451,7 +477,9 @@ static PyMethodDef heb_cpu_methods[] = {
      "sparse_update_fused_many(*, updates)\n--\n\nThe fused backward and update of one or several tables (a list of "
      "dicts: dedup, grad, padding_idx, scale_grad_by_freq, kind, weight, state, num_rows, dim, lr, beta1, beta2, eps, "
      "lr_decay, step, maximize, weight_decay, bag_of, row_weights, num_bags, dtype, grad_dtype, "
-     "stochastic_rounding, seed), every one checked before any row is written; small ones side by side"},
+     "stochastic_rounding, seed, and optionally ids, count, ids_int64, bags), every one checked before any row is "
+     "written; small ones side by side. dedup None: the core sorts the ids itself (those of bags, a pool_bags batch "
+     "tuple whose positions then stand for bag_of and row_weights, or else ids[:count]); num_bags: grad's rows"},
     {"sparse_update", HEB_KW_FUNC(heb_sparse_update), METH_VARARGS | METH_KEYWORDS,
      "sparse_update($module, /, *, kind, weight, state, num_rows, dim, indices, values, nnz, lr, beta1, beta2, "
      "eps, lr_decay, step, maximize, weight_decay, dtype, values_dtype, stochastic_rounding, seed)\n--\n\n"

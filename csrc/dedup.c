@@ -21,42 +21,10 @@ static int bit_width(uint64_t x)
     return bits;
 }
 
-/* A big sort's arrays come from the scratch cache (host_memory.h): from
- * malloc, every step's few MiB were mapped afresh once glibc had given the
- * last step's back, a page fault per 4 KiB (a 65,536-id sort took 1.7-2.0
- * ms instead of 0.7-0.8). Small ones stay with malloc, which serves them
- * from its heap. */
-#define SCRATCH_MIN_BYTES ((size_t)256 << 10)
-
-typedef struct block {
-    void *ptr;
-    size_t mapped; /* 0: from malloc */
-} block;
-
-static he_status block_alloc(block *b, size_t bytes)
-{
-    b->mapped = 0;
-    if (bytes < SCRATCH_MIN_BYTES) {
-        b->ptr = malloc(bytes);
-        return b->ptr ? HE_OK : he_fail(HE_ERR_NOMEM, "could not allocate %zu bytes to sort ids", bytes);
-    }
-    he_status st = he_scratch_alloc(bytes, &b->ptr, &b->mapped);
-    if (st != HE_OK)
-        b->ptr = NULL;
-    return st;
-}
-
-static void block_free(block *b)
-{
-    if (b->mapped)
-        he_scratch_release(b->ptr, b->mapped);
-    else
-        free(b->ptr);
-    b->ptr = NULL;
-}
-
+/* The sort's arrays are he_temps: every step sorts a batch of the same
+ * size, and malloc would map them afresh (host_memory.h). */
 struct he_dedup_memory {
-    block arrays; /* order, then unique and offsets */
+    he_temp arrays; /* unique, offsets, then order */
 };
 
 void he_dedup_free(he_dedup *d)
@@ -64,7 +32,7 @@ void he_dedup_free(he_dedup *d)
     if (!d)
         return;
     if (d->memory) {
-        block_free(&d->memory->arrays);
+        he_temp_free(&d->memory->arrays);
         free(d->memory);
     }
     free(d);
@@ -105,7 +73,7 @@ he_status he_dedup_build(const he_ids *ids, int64_t num_rows, he_dedup **out)
 {
     he_status st = HE_OK;
     int64_t n = ids->count;
-    block sort = {NULL, 0};
+    he_temp sort = {NULL, 0};
     he_dedup *d = NULL;
     *out = NULL;
 
@@ -131,10 +99,10 @@ he_status he_dedup_build(const he_ids *ids, int64_t num_rows, he_dedup **out)
         goto done;
     }
     /* The sort's scratch: keys and their copy, positions' copy. The
-     * result: order, then unique and offsets (at most n + 1 each), int64
-     * arrays first so every array stays aligned. */
-    if ((st = block_alloc(&sort, alloc_n * (2 * sizeof(uint64_t) + sizeof(uint32_t)))) != HE_OK ||
-        (st = block_alloc(&d->memory->arrays, (2 * alloc_n + 1) * sizeof(int64_t) + alloc_n * sizeof(uint32_t))) !=
+     * result: unique and offsets (at most n and n + 1), then order: the
+     * int64 arrays first, so every array stays aligned. */
+    if ((st = he_temp_alloc(&sort, alloc_n * (2 * sizeof(uint64_t) + sizeof(uint32_t)))) != HE_OK ||
+        (st = he_temp_alloc(&d->memory->arrays, (2 * alloc_n + 1) * sizeof(int64_t) + alloc_n * sizeof(uint32_t))) !=
             HE_OK)
         goto done;
     uint64_t *keys = sort.ptr, *keys_tmp = keys + alloc_n;
@@ -166,7 +134,7 @@ he_status he_dedup_build(const he_ids *ids, int64_t num_rows, he_dedup **out)
     d->num_unique = u;
 
 done:
-    block_free(&sort);
+    he_temp_free(&sort);
     if (st == HE_OK)
         *out = d;
     else

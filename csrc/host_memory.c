@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -199,4 +200,29 @@ void he_host_free(void *ptr, size_t bytes)
 {
     if (ptr)
         munmap(ptr, mapped_size(bytes));
+}
+
+#define HE_TEMP_SCRATCH_MIN ((size_t)256 << 10)
+
+he_status he_temp_alloc(he_temp *t, size_t bytes)
+{
+    t->mapped = 0;
+    if (bytes < HE_TEMP_SCRATCH_MIN) {
+        t->ptr = malloc(bytes ? bytes : 1);
+        return t->ptr ? HE_OK : he_fail(HE_ERR_NOMEM, "could not allocate %zu bytes", bytes);
+    }
+    he_status st = he_scratch_alloc(bytes, &t->ptr, &t->mapped);
+    if (st != HE_OK)
+        t->ptr = NULL, t->mapped = 0;
+    return st;
+}
+
+void he_temp_free(he_temp *t)
+{
+    if (t->mapped)
+        he_scratch_release(t->ptr, t->mapped);
+    else
+        free(t->ptr);
+    t->ptr = NULL;
+    t->mapped = 0;
 }

@@ -4,8 +4,10 @@
 
 #include <inttypes.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "convert.h"
+#include "host_memory.h"
 #include "ids.h"
 #include "optimizers.h"
 #include "simd.h"
@@ -341,35 +343,123 @@ static he_status name_table(he_status st, int64_t i, int64_t count, const char *
     return he_fail(st, "table %" PRId64 " of %" PRId64 ": %s", i, count, why);
 }
 
+/* What he_sparse_update_fused_many makes for an update: the sort, when
+ * not given, and a bag batch's positions and factors. */
+typedef struct made_inputs {
+    he_fused_update *work; /* the updates, completed in place */
+    he_dedup **dedups;
+    he_temp *positions;
+    he_status *status;
+    char (*why)[256];
+} made_inputs;
+
+static he_status make_inputs_of(he_fused_update *f, he_dedup **dedup, he_temp *positions)
+{
+    const he_bag_batch *b = f->bags;
+    he_ids ids = b ? b->ids : f->ids;
+    he_status st;
+    if (!f->d) {
+        if ((st = he_dedup_build(&ids, f->weight.num_rows, dedup)) != HE_OK)
+            return st;
+        f->d = *dedup;
+    }
+    if (!b)
+        return HE_OK;
+    if (ids.count != f->d->count)
+        return he_fail(HE_ERR_VALUE, "a sort of %" PRId64 " ids for a bag batch of %" PRId64, f->d->count,
+                       ids.count);
+    if (b->table.num_rows != f->weight.num_rows || b->table.dim != f->weight.dim || b->table.dtype != f->weight.dtype)
+        return he_fail(HE_ERR_VALUE, "a bag batch of a [%" PRId64 ", %" PRId64 "] table for a [%" PRId64 ", %" PRId64
+                       "] one", b->table.num_rows, b->table.dim, f->weight.num_rows, f->weight.dim);
+    /* Every position reads a gradient row: its bag's, or row 0 (factor 0)
+     * for a position in no bag. */
+    if (f->grad_rows < b->num_bags || (ids.count > 0 && f->grad_rows < 1))
+        return he_fail(HE_ERR_VALUE, "a gradient of %" PRId64 " rows for %" PRId64 " bags of %" PRId64 " ids",
+                       f->grad_rows, b->num_bags, ids.count);
+    size_t n = (size_t)(ids.count > 0 ? ids.count : 1);
+    size_t factor = he_dtype_size(he_compute_dtype(f->weight.dtype));
+    if ((st = he_temp_alloc(positions, n * (sizeof(int64_t) + factor))) != HE_OK)
+        return st;
+    int64_t *bag_of = positions->ptr;
+    void *weights = bag_of + n;
+    int wrote = 0;
+    if ((st = he_bag_positions(b, bag_of, weights, &wrote)) != HE_OK)
+        return st;
+    f->opts.bag_of = bag_of;
+    f->opts.row_weights = wrote ? weights : NULL;
+    f->opts.num_bags = f->grad_rows;
+    return HE_OK;
+}
+
+static void make_inputs(void *ctx, int64_t begin, int64_t end)
+{
+    const made_inputs *job = ctx;
+    for (int64_t i = begin; i < end; i++) {
+        if (job->work[i].d && !job->work[i].bags)
+            continue;
+        job->status[i] = make_inputs_of(&job->work[i], &job->dedups[i], &job->positions[i]);
+        if (job->status[i] != HE_OK)
+            snprintf(job->why[i], sizeof job->why[i], "%s", he_last_error());
+    }
+}
+
+static he_status first_failure(const he_status *status, char (*why)[256], int64_t count)
+{
+    for (int64_t i = 0; i < count; i++)
+        if (status[i] != HE_OK)
+            return count > 1 ? name_table(status[i], i, count, why[i]) : he_fail(status[i], "%s", why[i]);
+    return HE_OK;
+}
+
 he_status he_sparse_update_fused_many(const he_fused_update *updates, int64_t count)
 {
     if (count < 0)
         return he_fail(HE_ERR_VALUE, "a fused update of %" PRId64 " tables", count);
+    size_t n = (size_t)(count > 0 ? count : 1);
+    he_fused_update *work = malloc(n * sizeof *work);
+    he_dedup **dedups = calloc(n, sizeof *dedups);
+    he_temp *positions = calloc(n, sizeof *positions);
+    he_status *status = calloc(n, sizeof *status);
+    char(*why)[256] = calloc(n, sizeof *why);
+    he_status st = HE_OK;
+    if (!work || !dedups || !positions || !status || !why) {
+        st = he_fail(HE_ERR_NOMEM, "no memory for a fused update of %" PRId64 " tables", count);
+        goto done;
+    }
+    if (count > 0)
+        memcpy(work, updates, (size_t)count * sizeof *work);
+    /* The sorts first, a table a thread (each sort runs on one). */
+    made_inputs made = {work, dedups, positions, status, why};
+    if ((st = he_parallel_for(count, 1, make_inputs, &made)) != HE_OK ||
+        (st = first_failure(status, why, count)) != HE_OK)
+        goto done;
     int small = 1;
     for (int64_t i = 0; i < count; i++) {
-        const he_fused_update *f = &updates[i];
+        const he_fused_update *f = &work[i];
         update_ctx u;
-        he_status st = prepare_fused(f->d, &f->opts, &f->hp, &f->weight, f->state, f->num_state, &u);
-        if (st != HE_OK)
-            return count > 1 ? name_table(st, i, count, he_last_error()) : st;
+        st = prepare_fused(f->d, &f->opts, &f->hp, &f->weight, f->state, f->num_state, &u);
+        if (st != HE_OK) {
+            st = count > 1 ? name_table(st, i, count, he_last_error()) : st;
+            goto done;
+        }
         /* As grad_reduce counts a job's memory traffic. */
         int64_t bytes = (f->d->count + 3 * f->d->num_unique) * f->weight.dim * (int64_t)he_dtype_size(f->opts.dtype);
         small &= bytes < HE_PARALLEL_MIN_BYTES;
     }
-    he_status *status = calloc((size_t)(count > 0 ? count : 1), sizeof *status);
-    char(*why)[256] = calloc((size_t)(count > 0 ? count : 1), sizeof *why);
-    if (!status || !why) {
-        free(status);
-        free(why);
-        return he_fail(HE_ERR_NOMEM, "no memory for a fused update of %" PRId64 " tables", count);
-    }
-    many_job job = {updates, status, why};
-    he_status st = small ? he_parallel_for(count, 1, run_updates, &job) : HE_OK;
+    many_job job = {work, status, why};
+    st = small ? he_parallel_for(count, 1, run_updates, &job) : HE_OK;
     if (st == HE_OK && !small)
         run_updates(&job, 0, count);
-    for (int64_t i = 0; i < count && st == HE_OK; i++)
-        if (status[i] != HE_OK)
-            st = count > 1 ? name_table(status[i], i, count, why[i]) : he_fail(status[i], "%s", why[i]);
+    if (st == HE_OK)
+        st = first_failure(status, why, count);
+done:
+    for (int64_t i = 0; dedups && positions && i < count; i++) {
+        he_dedup_free(dedups[i]);
+        he_temp_free(&positions[i]);
+    }
+    free(work);
+    free(dedups);
+    free(positions);
     free(status);
     free(why);
     return st;

@@ -9,6 +9,7 @@
 #include "grad_reduce.h"
 #include "he_optim.h"
 #include "optimizers.h"
+#include "pool_bags.h"
 #include "he_status.h"
 #include "table.h"
 
@@ -41,9 +42,18 @@ he_status he_sparse_update_fused(const he_dedup *d, const void *grad, const he_r
                                  const he_optim_params *hp, const he_table *weight, const he_table *state,
                                  int num_state);
 
-/* One table's he_sparse_update_fused, for he_sparse_update_fused_many. */
+/* One table's he_sparse_update_fused, for he_sparse_update_fused_many.
+ * d may be NULL: he_sparse_update_fused_many then sorts `ids` itself
+ * (range-checking them against weight.num_rows), side by side with the
+ * other tables' sorts. bags, when not NULL, is the batch of bags whose
+ * output gradient grad is ([grad_rows, dim]): each position's bag and
+ * factor (he_bag_positions) are made there too and stand for opts'
+ * bag_of, row_weights and num_bags; its ids are the ones sorted. */
 typedef struct he_fused_update {
     const he_dedup *d;
+    he_ids ids;
+    const he_bag_batch *bags;
+    int64_t grad_rows;
     const void *grad;
     he_reduce_opts opts;
     he_optim_params hp;

@@ -2960,8 +2960,12 @@ static void test_pool_bags(void)
 
 /* he_sparse_update_fused_many: Adagrad on three tables at once, side by
  * side on the threads (small tables) and one after another (a big one),
- * bitwise what one he_sparse_update_fused a table gives; an update that
- * fails its checks changes no table and names its table. */
+ * bitwise what one he_sparse_update_fused a table gives, whether a table
+ * comes with its sort (table 0), with ids the core sorts (table 1) or as a
+ * batch of bags whose positions the core finds too (table 2, mean bags);
+ * an update that fails its checks (a sort of another table, an id out of
+ * range, a gradient with fewer rows than bags) changes no table and names
+ * its table. */
 static void test_sparse_update_fused_many(void)
 {
     group_begin();
@@ -2973,6 +2977,14 @@ static void test_sparse_update_fused_many(void)
         int64_t *ids[T];
         he_dedup *d[T];
         he_fused_update u[T];
+        /* Table 2's bags: 3 ids each (the last one shorter), mean. */
+        int64_t num_bags = (count[2] + 2) / 3;
+        int64_t *offsets = xmalloc((size_t)num_bags * sizeof *offsets);
+        for (int64_t b = 0; b < num_bags; b++)
+            offsets[b] = 3 * b;
+        int64_t *bag_of = xmalloc((size_t)count[2] * sizeof *bag_of);
+        float *factor = xmalloc((size_t)count[2] * sizeof *factor);
+        he_bag_batch bags;
         for (int t = 0; t < T; t++) {
             size_t n = (size_t)(rows[t] * dim[t]);
             w[t] = xmalloc(n * sizeof(float));
@@ -2989,16 +3001,44 @@ static void test_sparse_update_fused_many(void)
             he_ids view = {ids[t], count[t], 1};
             CHECK_ST(he_dedup_build(&view, rows[t], &d[t]), HE_OK);
             he_optim_params hp = {HE_OPTIM_ADAGRAD, 0.1, 0, 0, 1e-10, 0.01, 3, 0, 0.0, 0, 0};
-            u[t] = (he_fused_update){d[t], grad[t], {-1, 0}, hp,
-                                     he_table_contiguous(w[t], n * sizeof(float), rows[t], dim[t]),
-                                     {he_table_contiguous(st[t], n * sizeof(float), rows[t], dim[t])}, 1};
+            u[t] = (he_fused_update){.d = d[t], .grad = grad[t], .opts = {-1, 0}, .hp = hp,
+                                     .weight = he_table_contiguous(w[t], n * sizeof(float), rows[t], dim[t]),
+                                     .state = {he_table_contiguous(st[t], n * sizeof(float), rows[t], dim[t])},
+                                     .num_state = 1};
             u[t].opts.dtype = HE_F32;
         }
+        /* The reference's view of table 2: one gradient row a bag. */
+        bags = (he_bag_batch){.table = u[2].weight, .ids = {ids[2], count[2], 1}, .offsets = offsets,
+                              .num_bags = num_bags, .end = count[2], .padding_idx = -1, .mean = 1};
+        int wrote = 0;
+        CHECK_ST(he_bag_positions(&bags, bag_of, factor, &wrote), HE_OK);
+        CHECK(wrote == 1);
+        he_reduce_opts pooled = u[2].opts;
+        pooled.bag_of = bag_of;
+        pooled.row_weights = factor;
+        pooled.num_bags = num_bags;
+        /* What the core makes itself: table 1's sort, table 2's sort and positions. */
+        u[1].d = NULL;
+        u[1].ids = (he_ids){ids[1], count[1], 1};
+        u[2].d = NULL;
+        u[2].bags = &bags;
+        u[2].grad_rows = num_bags;
         set_threads(3);
-        /* A dedup of another row count in the last table: nothing written. */
+        /* A dedup of another row count in the first table: nothing written. */
         he_fused_update bad[T] = {u[0], u[1], u[2]};
-        bad[2].weight.num_rows -= 1;
-        bad[2].state[0].num_rows -= 1;
+        bad[0].weight.num_rows -= 1;
+        bad[0].state[0].num_rows -= 1;
+        CHECK_ST(he_sparse_update_fused_many(bad, T), HE_ERR_VALUE);
+        CHECK_MSG("table 0 of 3");
+        /* An id out of range in the ids the core sorts. */
+        int64_t kept = ids[1][count[1] - 1];
+        ids[1][count[1] - 1] = rows[1];
+        memcpy(bad, u, sizeof bad);
+        CHECK_ST(he_sparse_update_fused_many(bad, T), HE_ERR_INDEX);
+        CHECK_MSG("table 1 of 3");
+        ids[1][count[1] - 1] = kept;
+        /* A gradient of fewer rows than bags. */
+        bad[2].grad_rows = num_bags - 1;
         CHECK_ST(he_sparse_update_fused_many(bad, T), HE_ERR_VALUE);
         CHECK_MSG("table 2 of 3");
         for (int t = 0; t < T; t++)
@@ -3008,7 +3048,8 @@ static void test_sparse_update_fused_many(void)
             size_t n = (size_t)(rows[t] * dim[t]);
             he_table wr = he_table_contiguous(w_ref[t], n * sizeof(float), rows[t], dim[t]);
             he_table sr = he_table_contiguous(st_ref[t], n * sizeof(float), rows[t], dim[t]);
-            CHECK_ST(he_sparse_update_fused(d[t], grad[t], &u[t].opts, &u[t].hp, &wr, &sr, 1), HE_OK);
+            CHECK_ST(he_sparse_update_fused(d[t], grad[t], t == 2 ? &pooled : &u[t].opts, &u[t].hp, &wr, &sr, 1),
+                     HE_OK);
             CHECKF(memcmp(w[t], w_ref[t], n * sizeof(float)) == 0 && memcmp(st[t], st_ref[t], n * sizeof(float)) == 0,
                    "table %d (big %d): the update of many differs from its own", t, big);
             he_dedup_free(d[t]);
@@ -3019,6 +3060,9 @@ static void test_sparse_update_fused_many(void)
             free(ids[t]);
             free(grad[t]);
         }
+        free(offsets);
+        free(bag_of);
+        free(factor);
     }
     set_threads(2);
     group_end("sparse_update_fused_many");

@@ -48,13 +48,16 @@ class Pooling(NamedTuple):
 
 
 class CpuGradient:
-    """A CPU lookup's output gradient, as its backward hands it over
-    (pooling: a bag's Pooling, grad then has a row per bag)."""
+    """A CPU lookup's output gradient, as its backward hands it over. For
+    bags, grad has a row per bag and `bags` is the lookup's
+    _core.ops.bags.BagBatch: the core finds each position's bag and factor
+    from it in the fused update (bags_pooling makes them where Python needs
+    them)."""
 
-    __slots__ = ("ids", "grad", "padding_idx", "scale_grad_by_freq", "dedup", "pooling")
+    __slots__ = ("ids", "grad", "padding_idx", "scale_grad_by_freq", "dedup", "bags")
 
-    def __init__(self, ids, grad, padding_idx, scale_grad_by_freq, dedup, pooling=None):
-        self.ids, self.grad, self.dedup, self.pooling = ids, grad, dedup, pooling
+    def __init__(self, ids, grad, padding_idx, scale_grad_by_freq, dedup, bags=None):
+        self.ids, self.grad, self.dedup, self.bags = ids, grad, dedup, bags
         self.padding_idx, self.scale_grad_by_freq = padding_idx, scale_grad_by_freq
 
 

@@ -89,20 +89,24 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
                                per_sample_weights=per_sample_weights, include_last_offset=include_last_offset,
                                padding_idx=_bag_cpu.padding_row(unique, padding_idx))
 
-    def _bags(self, input, offsets, per_sample_weights):
+    def _bags(self, input, offsets, per_sample_weights, pools_on_cpu=None):
         """(ids, offsets, per_sample_weights, include_last_offset): the
         input in any form torch takes, checked (_bags.flatten); ids and
-        weights on the CPU when the CPU path pools them."""
+        weights on the CPU when the CPU path pools them (pools_on_cpu:
+        self._pools_on_cpu(), when the caller has it)."""
         _bags.check_options(self.mode, self.scale_grad_by_freq)
-        pools_on_cpu = self._pools_on_cpu()
+        if pools_on_cpu is None:
+            pools_on_cpu = self._pools_on_cpu()
         # The core checks the offsets as it pools (without max_norm, whose
         # renorm writes rows before the pooling).
         ids, offsets, per_sample_weights, include_last_offset = _bags.flatten(
             input, offsets, per_sample_weights, self.mode, self.include_last_offset, self._table.dtype,
             core_checks_offsets=pools_on_cpu and self.max_norm is None)
         if pools_on_cpu:
-            ids, offsets = prepare_ids(ids, _bags.WHO), offsets.to("cpu")
-            if per_sample_weights is not None:
+            ids = prepare_ids(ids, _bags.WHO)
+            if not offsets.is_cpu:
+                offsets = offsets.to("cpu")
+            if per_sample_weights is not None and not per_sample_weights.is_cpu:
                 per_sample_weights = per_sample_weights.to("cpu")
         return ids, offsets, per_sample_weights, include_last_offset
 

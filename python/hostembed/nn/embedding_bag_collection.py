@@ -52,7 +52,7 @@ class EmbeddingBagCollection(nn.ModuleList):
                     and max_norm_of(module) is None):
                 outputs[k] = module(inputs[k], offsets[k], per_sample_weights[k])
                 continue
-            ids, offs, psw, last = module._bags(inputs[k], offsets[k], per_sample_weights[k])
+            ids, offs, psw, last = module._bags(inputs[k], offsets[k], per_sample_weights[k], pools_on_cpu=True)
             module._prepare_weight()
             padding_idx = -1 if module.padding_idx is None else module.padding_idx
             specs.append((ids, offs, last, padding_idx, module.mode == "mean", module.scale_grad_by_freq,

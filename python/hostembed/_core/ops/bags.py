@@ -2,14 +2,12 @@
 from their tables in one call of the core (sum or mean, per-sample
 weights, padding_idx), and backward's view of a batch (each position's bag
 and gradient factor)."""
-import contextlib
-
 import torch
 from torch import Tensor
 
 from .. import _C
 from ..table import compute_dtype, host_table_of
-from .common import address, cpu_ids_args, scratch
+from .common import address, cpu_ids_args, holding, scratch
 
 
 class BagBatch:
@@ -28,14 +26,16 @@ class BagBatch:
     def __init__(self, weight: Tensor, ids: Tensor, offsets: Tensor, include_last_offset: bool,
                  per_sample_weights, padding_idx: int, mean: bool, what: str = "a bag lookup"):
         self.table = table = host_table_of(weight, what)
-        self.offsets = offsets = offsets.to(torch.int64).contiguous()
+        if offsets.dtype != torch.int64 or not offsets.is_contiguous():  # (a no-op .to() costs ~1 us)
+            offsets = offsets.to(torch.int64).contiguous()
+        self.offsets = offsets
         if include_last_offset and offsets.numel() and 0 <= int(offsets[-1]) < ids.numel():
             # The ids after the last offset are in no bag: never read, never
             # checked, no gradient (an end past the ids is the core's error).
             end = int(offsets[-1])
             ids = ids[:end]
             per_sample_weights = None if per_sample_weights is None else per_sample_weights[:end]
-        self.ids = ids.contiguous()
+        self.ids = ids if ids.is_contiguous() else ids.contiguous()
         self.include_last_offset = include_last_offset
         self.num_bags = max(offsets.numel() - include_last_offset, 0)
         # Detached: the core reads the values; autograd keeps the tensor.
@@ -56,10 +56,7 @@ def pool(batches: list) -> list:
     written; ValueError for offsets that do not start at 0, decrease, or
     pass the ids' end."""
     outs = [scratch(b.num_bags, b.table.dim, dtype=b.table.dtype) for b in batches]
-    with contextlib.ExitStack() as held:
-        for table in {id(b.table): b.table for b in batches}.values():
-            held.enter_context(table.lock)
-            table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
+    with holding({id(b.table): b.table for b in batches}.values()):
         _C.pool_bags(batches=[b.args + (address(out),) for b, out in zip(batches, outs)])
     return outs
 

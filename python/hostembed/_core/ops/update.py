@@ -4,15 +4,14 @@ gradient (the fused mode, sparse_update_fused). A table with a row cache
 updates the rows its cache holds in their records (_cache.RowCache).
 dense_adam is torch's Adam over every row of a table, without a dense
 gradient."""
-import contextlib
-
 import torch
 from torch import Tensor
 
 from .. import _C
 from .. import fused as _fused
 from ..table import DTYPE_CODES, dtype_name, host_table_of
-from .common import address, cpu_ids_args, custom_op
+from . import bags as bag_ops
+from .common import address, cpu_ids_args, custom_op, holding
 from .cpu import gradient_rows, reduce_rows
 
 
@@ -168,24 +167,26 @@ def sparse_update_fused_many(updates) -> None:
             sparse_update(kind, weight, state, indices, values, **hyper)
             continue
         buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
-        ids = gradient.ids.reshape(-1).contiguous()
-        rows, bags, weights = gradient_rows(gradient.grad, ids, table.dim, gradient.pooling,
-                                            table.gradient_dtype(gradient.grad.dtype))
-        dedup = gradient.dedup
-        if dedup is None:
-            dedup = _C.Dedup(**cpu_ids_args(ids), num_rows=table.num_rows)
-        args = dict(dedup=dedup, grad=address(rows), padding_idx=gradient.padding_idx,
+        dtype = table.gradient_dtype(gradient.grad.dtype)
+        if gradient.bags is None:
+            ids = gradient.ids.reshape(-1).contiguous()
+            rows, sort, _ = gradient_rows(gradient.grad, ids, table.dim, None, dtype)
+            if gradient.dedup is None:  # the core sorts them
+                sort.update(cpu_ids_args(ids))
+        else:
+            # The core sorts the bags' ids and finds each one's bag and factor.
+            ids = gradient.bags.ids
+            rows = gradient.grad.to(dtype=dtype).contiguous().reshape(-1, table.dim)
+            sort = {"bags": gradient.bags.args + (0,), "bag_of": 0, "row_weights": 0, "num_bags": rows.shape[0]}
+        args = dict(dedup=gradient.dedup, grad=address(rows), padding_idx=gradient.padding_idx,
                     scale_grad_by_freq=gradient.scale_grad_by_freq, kind=kind, weight=table.buffer, state=buffers,
                     num_rows=table.num_rows, dim=table.dim, **_hyperparameters(**hyper), dtype=table.code,
                     grad_dtype=DTYPE_CODES[rows.dtype], stochastic_rounding=table.stochastic_rounding,
-                    seed=table.seed, **bags)
-        prepared.append((table, ids, args, (rows, weights)))
+                    seed=table.seed, **sort)
+        prepared.append((table, ids, args, (rows, gradient)))
     if not prepared:
         return
-    with contextlib.ExitStack() as held:
-        for table in {id(t): t for t, _, _, _ in prepared}.values():
-            held.enter_context(table.lock)
-            table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
+    with holding({id(t): t for t, _, _, _ in prepared}.values()):
         _C.sparse_update_fused_many(updates=[args for _, _, args, _ in prepared])
         for table, ids, _, _ in prepared:
             table.rows_changed(ids)
@@ -195,8 +196,9 @@ def reduce_to_host(table, gradient):
     """A fused table's lookup gradient (_fused.CpuGradient or GpuGradient)
     reduced as its unfused backward would: (indices, values) on the CPU."""
     if isinstance(gradient, _fused.CpuGradient):
+        pooling = None if gradient.bags is None else _fused.Pooling(*bag_ops.positions(gradient.bags))
         indices, values = reduce_rows(gradient.ids, gradient.grad, table.num_rows, gradient.padding_idx,
-                                       gradient.scale_grad_by_freq, gradient.dedup, gradient.pooling, rounded=True)
+                                       gradient.scale_grad_by_freq, gradient.dedup, pooling, rounded=True)
         # Rounded to the table's dtype, as each lookup's weight.grad is.
         return indices, values.to(table.dtype)
     indices, values = gradient.wait()

@@ -96,10 +96,14 @@ def bag_gradient(batch, grad_out, needs_weight, needs_weights, scale_grad_by_fre
     took it (the update runs when the backward pass ends). rows / inverse:
     the distinct rows a max_norm forward pooled, and each id's among them."""
     table, ids, padding_idx = batch.table, batch.ids, batch.padding_idx
-    bag_of, row_weights = bag_ops.positions(batch)
     grad_out = grad_out.contiguous()
     if grad_out.shape[0] == 0:  # no bags: every position's gradient is 0
         grad_out = grad_out.new_zeros(1, table.dim)
+    # A fused update finds each position's bag and factor in the core.
+    fused = needs_weight and table.fused and _fused.take_gradient(
+        table, _fused.CpuGradient(ids, grad_out, padding_idx, scale_grad_by_freq, dedup, batch))
+    if needs_weights or (needs_weight and not fused):
+        bag_of, row_weights = bag_ops.positions(batch)
     weights_grad = None
     if needs_weights:
         # d out[b] / d w[p] = <grad_out[b], row of ids[p]>: 0 outside
@@ -111,13 +115,10 @@ def bag_gradient(batch, grad_out, needs_weight, needs_weights, scale_grad_by_fre
         if batch.num_bags == 0:  # every position is in no bag
             weights_grad.zero_()
     grad = None
-    if needs_weight:
-        pooling = _fused.Pooling(bag_of, row_weights)
-        if not (table.fused and _fused.take_gradient(table, _fused.CpuGradient(
-                ids, grad_out, padding_idx, scale_grad_by_freq, dedup, pooling))):
-            indices, values = cpu_ops.reduce_rows(ids, grad_out, table.num_rows, padding_idx, scale_grad_by_freq,
-                                                  dedup, pooling, rounded=True)
-            grad = common_ops.weight_grad(indices, values, table.num_rows, table.dim, sparse, table.dtype)
+    if needs_weight and not fused:
+        indices, values = cpu_ops.reduce_rows(ids, grad_out, table.num_rows, padding_idx, scale_grad_by_freq, dedup,
+                                              _fused.Pooling(bag_of, row_weights), rounded=True)
+        grad = common_ops.weight_grad(indices, values, table.num_rows, table.dim, sparse, table.dtype)
     return grad, weights_grad
 
 

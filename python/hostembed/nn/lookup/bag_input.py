@@ -95,11 +95,11 @@ def flatten(input, offsets, per_sample_weights, mode, include_last_offset, weigh
             f"mode='sum' (got mode='{mode}'). Please open a feature request on GitHub."
         )
     check_ids(offsets, WHO, "offsets")
-    if torch.compiler.is_compiling():
+    if core_checks_offsets:  # eager, then
+        in_bags = input.numel()
+    elif torch.compiler.is_compiling():
         # Checked inside an op: a traced graph cannot read the offsets.
         offsets = checked_offsets.op(offsets, input.numel(), include_last_offset)
-        in_bags = input.numel()
-    elif core_checks_offsets:
         in_bags = input.numel()
     else:
         in_bags = _check_offsets(offsets, input.numel(), include_last_offset)
