@@ -4,7 +4,10 @@ such models use (SGD, Adagrad, row-wise Adagrad), torch against hostembed,
 on uniform and on Zipf ids, at several batch sizes.
 
 One step: the tables' forward, backward of a fixed output gradient,
-optimizer.step(), zero_grad(). Contenders, built from the same weights and
+optimizer.step(), zero_grad(). A round times a few steps back to back, as
+training runs them (4,096 / bags of them, at least one, each on a batch
+of its own: 32 at 128 bags), so that a small step is not timed cold right
+after another contender's. Contenders, built from the same weights and
 timed in alternating rounds:
   torch         nn.EmbeddingBag(sparse=True) modules + torch.optim.<opt>
                 (torch has no row-wise Adagrad: its Adagrad stands in)
@@ -41,6 +44,7 @@ ROWS = (2_000_000, 1_000_000, 500_000, 100_000)
 DIM, BAG = 64, 4
 LR = {"SGD": 0.1, "Adagrad": 0.01, "RowWiseAdagrad": 0.01}
 KINDS = ("torch", "swap", "hostembed", "collection", "fused")
+STEPS_PER_ROUND_BAGS = 4096  # a round: this many bags a table, in steps
 
 
 def build(kind, opt_name, initial):
@@ -98,16 +102,19 @@ def main(argv=None):
         built = {k: build(k, opt_name, initial) for k in kinds}
         for skew in args.ids.split(","):
             for bags in (int(b) for b in args.bags.split(",")):
-                batches = [[make_ids(r, bags, skew, g) for r in rows] for _ in range(args.warmup + args.rounds)]
+                per_round = max(1, STEPS_PER_ROUND_BAGS // bags)
+                batches = [[[make_ids(r, bags, skew, g) for r in rows] for _ in range(per_round)]
+                           for _ in range(args.warmup + args.rounds)]
                 grad = torch.randn(bags, DIM, generator=g)
                 times = {k: [] for k in kinds}
-                for i, ids in enumerate(batches):
+                for i, round_batches in enumerate(batches):
                     order = kinds if i % 2 == 0 else kinds[::-1]
                     for k in order:
                         t0 = time.perf_counter()
-                        step(*built[k], ids, grad)
+                        for ids in round_batches:
+                            step(*built[k], ids, grad)
                         if i >= args.warmup:
-                            times[k].append(time.perf_counter() - t0)
+                            times[k].append((time.perf_counter() - t0) / per_round)
                     if i == args.warmup - 1:
                         # torch adds a hot row's gradient rows to it one by
                         # one, hostembed sums them first: equal to float
@@ -129,7 +136,8 @@ def main(argv=None):
                 log(f"{opt_name} {skew} {bags}: " + ", ".join(f"{k} {row[k]:.2f} ms" for k in kinds))
         del built
     other = load.fraction()
-    print(f"\nEmbedding part of a DLRM-style step, ms (median of {args.rounds} rounds): 4 EmbeddingBag tables "
+    print(f"\nEmbedding part of a DLRM-style step, ms (median of {args.rounds} rounds of max(1, "
+          f"{STEPS_PER_ROUND_BAGS:,} / bags) steps each): 4 EmbeddingBag tables "
           f"{', '.join(f'{r:,}' for r in rows)} x {DIM}, bags of {BAG}, {args.threads} threads; other load "
           f"{'n/a' if other is None else f'{other:.0%}'}\n")
     print("ms per step, and torch's time over each (x torch); torch's Adagrad stands in for row-wise Adagrad\n")

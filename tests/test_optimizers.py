@@ -316,3 +316,51 @@ def test_a_table_has_one_fused_optimizer():
         hostembed.SparseAdam(emb.parameters(), fused=True)
     del first  # the table is free again once its fused optimizer is gone
     hostembed.RowWiseAdagrad(emb.parameters(), fused=True)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_step_hooks_profiler_and_zero_grad_as_torch_calls_them(fused):
+    """step() runs torch's global and per-optimizer hooks in torch's order
+    with torch's arguments (a pre-hook may replace them), shows up in a
+    profile as torch's steps do, and zero_grad() clears what torch's
+    clears, whether or not the tables are fused."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    emb = hostembed.Embedding(50, 4, sparse=True)
+    linear = nn.Linear(4, 1)
+    opt = hostembed.SGD([emb.weight, linear.weight, linear.bias], lr=0.1, fused=fused)
+    calls, closures = [], []
+
+    def closure():
+        closures.append(1)
+        return torch.tensor(1.0)
+
+    def replace(o, args, kwargs):
+        calls.append(("pre", o is opt, len(args), args[0] is opt))
+        return (args[0],), {"closure": closure}
+
+    handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append(("global pre", o is opt))),
+               opt.register_step_pre_hook(replace),
+               opt.register_step_post_hook(lambda o, a, k: calls.append(("post", "closure" in k))),
+               register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global post", o is opt)))]
+    try:
+        linear(emb(torch.tensor([1, 2, 3]))).sum().backward()
+        before = linear.weight.detach().clone()
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == [("global pre", True), ("pre", True, 1, True), ("post", True), ("global post", True)]
+    assert closures == [1]  # the pre-hook's new arguments reached step()
+    assert not torch.equal(linear.weight.detach(), before)
+    assert (linear.weight.grad is not None) and (emb.weight.grad is None) == fused
+    opt.zero_grad()
+    assert linear.weight.grad is None and linear.bias.grad is None and emb.weight.grad is None
+    linear(emb(torch.tensor([4]))).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    assert torch.equal(linear.weight.grad, torch.zeros_like(linear.weight))
+    with torch.profiler.profile() as prof:
+        opt.step()
+        opt.zero_grad()
+    names = {event.name for event in prof.events()}
+    assert "Optimizer.step#SGD.step" in names and "Optimizer.zero_grad#SGD.zero_grad" in names

@@ -106,13 +106,22 @@ def step_taken(opt):
                 table.fused_awaiting_step = False
 
 
-def param_of(opt, table):
-    """(the parameter, its group) of `table` in opt."""
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if table_of(p) is table:
-                return p, group
-    raise RuntimeError(f"hostembed: {type(opt).__name__}(fused=True) no longer holds this table's weight")
+def param_of(opt, table, found=None):
+    """(the parameter, its group) of `table` in opt. found: a dict to fill
+    with every table's, for the next tables of the same pass (one walk over
+    the parameters, not one a table)."""
+    if found is None:
+        found = {}
+    if not found:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                t = table_of(p)
+                if t is not None:
+                    found.setdefault(id(t), (p, group))
+    entry = found.get(id(table))
+    if entry is None:
+        raise RuntimeError(f"hostembed: {type(opt).__name__}(fused=True) no longer holds this table's weight")
+    return entry
 
 
 def optimizer_of(table):

@@ -167,22 +167,27 @@ def sparse_update_fused_many(updates) -> None:
             sparse_update(kind, weight, state, indices, values, **hyper)
             continue
         buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
-        dtype = table.gradient_dtype(gradient.grad.dtype)
+        grad = gradient.grad
+        dtype = table.gradient_dtype(grad.dtype)
         if gradient.bags is None:
             ids = gradient.ids.reshape(-1).contiguous()
-            rows, sort, _ = gradient_rows(gradient.grad, ids, table.dim, None, dtype)
+            rows, args, _ = gradient_rows(grad, ids, table.dim, None, dtype)
             if gradient.dedup is None:  # the core sorts them
-                sort.update(cpu_ids_args(ids))
+                args.update(cpu_ids_args(ids))
         else:
-            # The core sorts the bags' ids and finds each one's bag and factor.
+            # The core sorts the bags' ids and finds each one's bag and factor
+            # (no-op conversions skipped: ~1 us each, a few a table a step).
             ids = gradient.bags.ids
-            rows = gradient.grad.to(dtype=dtype).contiguous().reshape(-1, table.dim)
-            sort = {"bags": gradient.bags.args + (0,), "bag_of": 0, "row_weights": 0, "num_bags": rows.shape[0]}
-        args = dict(dedup=gradient.dedup, grad=address(rows), padding_idx=gradient.padding_idx,
+            rows = grad if grad.dtype == dtype and grad.is_contiguous() else grad.to(dtype=dtype).contiguous()
+            if rows.dim() != 2 or rows.shape[1] != table.dim:
+                rows = rows.reshape(-1, table.dim)
+            args = {"bags": gradient.bags.args + (0,), "bag_of": 0, "row_weights": 0, "num_bags": rows.shape[0]}
+        args.update(_hyperparameters(**hyper))
+        args.update(dedup=gradient.dedup, grad=address(rows), padding_idx=gradient.padding_idx,
                     scale_grad_by_freq=gradient.scale_grad_by_freq, kind=kind, weight=table.buffer, state=buffers,
-                    num_rows=table.num_rows, dim=table.dim, **_hyperparameters(**hyper), dtype=table.code,
+                    num_rows=table.num_rows, dim=table.dim, dtype=DTYPE_CODES[table.dtype],
                     grad_dtype=DTYPE_CODES[rows.dtype], stochastic_rounding=table.stochastic_rounding,
-                    seed=table.seed, **sort)
+                    seed=table.seed)
         prepared.append((table, ids, args, (rows, gradient)))
     if not prepared:
         return
