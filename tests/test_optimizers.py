@@ -127,21 +127,24 @@ def test_rowwise_adagrad_fifty_steps_against_float64(hyper, dim, threads):
     assert torch.equal(emb.weight.detach()[untouched], start[untouched])
 
 
-def test_rowwise_adagrad_update_is_the_float32_formula():
-    # One step, compared bit for bit with the documented float32 order.
-    emb = hostembed.Embedding(50, 8)
+@pytest.mark.parametrize("dim", [8, 21, 300])
+def test_rowwise_adagrad_update_is_the_float32_formula(dim):
+    # One step, compared bit for bit with the documented float32 order: the
+    # squares in 8 lanes (column j in lane j mod 8), lanes added pairwise.
+    emb = hostembed.Embedding(50, dim)
     start = emb.weight.detach().clone()
     opt = hostembed.RowWiseAdagrad(emb.parameters(), lr=0.3, eps=1e-4)
     ids = torch.tensor([3, 7, 3, 40])
-    emb(ids).backward(torch.randn(4, 8))
+    emb(ids).backward(torch.randn(4, dim) * 3)
     grad = emb.weight.grad.coalesce()
     opt.step()
     f = np.float32
     rows, g = grad._indices()[0].numpy(), grad._values().numpy()
-    squares = np.zeros(len(rows), dtype=f)
-    for j in range(8):
-        squares = squares + g[:, j] * g[:, j]
-    row_sum = f(0) + squares / f(8)
+    lane = [np.zeros(len(rows), dtype=f) for _ in range(8)]
+    for j in range(dim):
+        lane[j % 8] = lane[j % 8] + g[:, j] * g[:, j]
+    squares = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))
+    row_sum = f(0) + squares / f(dim)
     step = -(f(0.3) / (np.sqrt(row_sum) + f(1e-4)))
     expected = start.numpy().copy()
     expected[rows] = expected[rows] + g * step[:, None]

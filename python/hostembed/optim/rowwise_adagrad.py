@@ -19,7 +19,9 @@ class RowWiseAdagrad(HostStep, torch.optim.Optimizer):
         w       -= lr / (sqrt(row_sum) + eps) * g
 
     in the table's compute dtype (float32; float64 for a float64 table),
-    the squares summed in column order, then divided by the row's length
+    the squares summed in 8 lanes (column j in lane j mod 8, each lane in
+    column order, the lanes then added as ((0+1)+(2+3))+((4+5)+(6+7))),
+    then divided by the row's length
     (``maximize`` negates g). State keys: ``step`` (an int, the steps
     taken) and ``row_sum`` (a tensor of that dtype, of shape
     [num_embeddings], made at the first step; pages backed as rows are
