@@ -56,7 +56,7 @@ class EmbeddingBagCollection(nn.ModuleList):
             module._prepare_weight()
             padding_idx = -1 if module.padding_idx is None else module.padding_idx
             specs.append((ids, offs, last, padding_idx, module.mode == "mean", module.scale_grad_by_freq,
-                          module._sparse_gradient()))
+                          module._sparse_gradient(), module._table))
             # The parameter itself: module.weight would check the process
             # and flush a cache again, which _prepare_weight just did.
             weights.append(module._parameters["weight"])

@@ -6,7 +6,8 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ..table import compute_dtype, host_table_of
+from ..ids import ID_DTYPES
+from ..table import DTYPE_CODES, compute_dtype, host_table_of
 from .common import address, cpu_ids_args, holding, scratch
 
 
@@ -24,8 +25,10 @@ class BagBatch:
                  "args")
 
     def __init__(self, weight: Tensor, ids: Tensor, offsets: Tensor, include_last_offset: bool,
-                 per_sample_weights, padding_idx: int, mean: bool, what: str = "a bag lookup"):
-        self.table = table = host_table_of(weight, what)
+                 per_sample_weights, padding_idx: int, mean: bool, what: str = "a bag lookup", table=None):
+        # table: weight's HostTable, when the caller has just checked that
+        # weight is exactly its rows (HostTableModule._prepare_weight).
+        self.table = table = host_table_of(weight, what) if table is None else table
         if offsets.dtype != torch.int64 or not offsets.is_contiguous():  # (a no-op .to() costs ~1 us)
             offsets = offsets.to(torch.int64).contiguous()
         self.offsets = offsets
@@ -42,10 +45,11 @@ class BagBatch:
         self.weights = None if per_sample_weights is None else per_sample_weights.detach().to(
             compute_dtype(table.dtype)).contiguous()
         self.padding_idx, self.mean = padding_idx, mean
-        count = self.ids.numel()
-        ids_args = cpu_ids_args(self.ids)
-        self.args = (table.buffer, table.num_rows, table.dim, table.code, ids_args["ids"], count,
-                     ids_args["ids_int64"], address(offsets), offsets.numel(), include_last_offset,
+        ids = self.ids
+        if not ids.is_cpu or ids.dtype not in ID_DTYPES:
+            cpu_ids_args(ids)  # its error
+        self.args = (table.buffer, table.num_rows, table.dim, DTYPE_CODES[table.dtype], address(ids), ids.numel(),
+                     ids.dtype == torch.int64, address(offsets), offsets.numel(), include_last_offset,
                      0 if self.weights is None else address(self.weights), padding_idx, mean)
 
 

@@ -58,15 +58,17 @@ class PooledTables(torch.autograd.Function):
     the core; backward gives each table its gradient as PooledLookup does.
     apply(specs, *weights, *per_sample_weights): specs holds a (ids,
     offsets, include_last_offset, padding_idx, mean, scale_grad_by_freq,
-    sparse) per table."""
+    sparse, table) per table, each weight checked to be its table's rows
+    (HostTableModule._prepare_weight) by the caller."""
 
     @staticmethod
     def forward(ctx, specs, *tensors):
         count = len(specs)
         weights, sample_weights = tensors[:count], tensors[count:]
-        ctx.batches = [bag_ops.BagBatch(w, ids, offsets, last, psw, padding_idx, mean)
-                       for w, psw, (ids, offsets, last, padding_idx, mean, _, _) in zip(weights, sample_weights, specs)]
-        ctx.specs = [spec[5:] for spec in specs]
+        ctx.batches = [bag_ops.BagBatch(w, ids, offsets, last, psw, padding_idx, mean, table=table)
+                       for w, psw, (ids, offsets, last, padding_idx, mean, _, _, table)
+                       in zip(weights, sample_weights, specs)]
+        ctx.specs = [spec[5:7] for spec in specs]
         return tuple(pool(ctx.batches))
 
     @staticmethod
