@@ -45,6 +45,39 @@ def train(rank, world, optimizer, fused):
     return {"range": emb.row_range, "weight": emb.shard.weight.detach().clone(), "state": state}
 
 
+def bags(step, rank):
+    """Rank `rank`'s bags at `step`: (2-D ids, mean) or (1-D ids with
+    offsets, include_last_offset, per-sample weights, sum), the ids
+    Zipf-skewed, with padding id 5 among them; and the pooled target."""
+    ids, target = batch(step, rank)
+    gen = torch.Generator().manual_seed(7000 + 1000 * step + rank)
+    flat = ids.reshape(-1)
+    flat[::9] = 5
+    # 8 bags cut at random points (some may be empty); the last offset ends the ids.
+    cuts = torch.sort(torch.randint(0, flat.numel() + 1, (7,), generator=gen)).values
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([flat.numel()])])
+    weights = torch.rand(flat.numel(), generator=gen)
+    return ids, flat, offsets, weights, target[:, 0], torch.randn(8, DIM, generator=gen)
+
+
+def train_bags(rank, world, optimizer, fused, mode):
+    """ShardedEmbeddingBag, padding_idx 5, trained on this rank's bags."""
+    last = mode == "sum"
+    emb = hd.ShardedEmbeddingBag.from_pretrained(initial_table(), freeze=False, mode=mode, padding_idx=5,
+                                                 include_last_offset=last)
+    cls, hyper = OPTIMIZERS[optimizer]
+    opt = cls(emb.parameters(), fused=fused, **hyper)
+    for step in range(STEPS):
+        ids, flat, offsets, weights, target, target_last = bags(step, rank)
+        out = emb(flat, offsets, weights) if last else emb(ids)
+        (out - (target_last if last else target)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = {key: torch.as_tensor(value).clone() for key, value in opt.state[emb.shard.weight].items()
+             if torch.is_tensor(value) and value.dim() > 0}
+    return {"range": emb.row_range, "weight": emb.shard.weight.detach().clone(), "state": state}
+
+
 def out_of_range(rank, world):
     emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False)
     before = emb.shard.weight.detach().clone()
@@ -93,8 +126,8 @@ def with_ddp(rank, world, kind):
     alone = _Model(kind)
     alone.load_state_dict(model.state_dict())
     (alone(ids) - target[..., 0]).pow(2).sum().backward()
-    table = model.emb.shard if kind == "ShardedEmbedding" else model.emb.table
-    table_alone = alone.emb.shard if kind == "ShardedEmbedding" else alone.emb.table
+    table = model.emb.shard if kind.startswith("Sharded") else model.emb.table
+    table_alone = alone.emb.shard if kind.startswith("Sharded") else alone.emb.table
     return {"dense_grad": model.dense.weight.grad.clone(), "own_dense_grad": alone.dense.weight.grad.clone(),
             "ignored": sorted(ddp.parameters_to_ignore),
             # The table's gradient is the same with DDP as without: DDP did not average it.
@@ -213,7 +246,7 @@ def shared_refusals(rank, world):
 
 JOBS = {"train": train, "out_of_range": out_of_range, "mismatched": mismatched, "with_ddp": with_ddp,
         "reshard": reshard, "load_foreign": load_foreign, "rank_dies": rank_dies,
-        "train_shared": train_shared, "shared_refusals": shared_refusals}
+        "train_shared": train_shared, "shared_refusals": shared_refusals, "train_bags": train_bags}
 
 
 def worker(rank, world, outdir, job, args):

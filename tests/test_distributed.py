@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import hostembed
-from distributed_workers import OPTIMIZERS, STEPS, batch, initial_table, worker
+from distributed_workers import OPTIMIZERS, STEPS, bags, batch, initial_table, worker
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -82,6 +82,46 @@ def test_ranks_train_like_one_table_on_their_batches_together(tmp_path, world, o
     assert not torch.equal(emb.weight.detach(), initial_table()), "training changed nothing"
 
 
+@pytest.mark.parametrize("world, optimizer, fused, mode", [
+    (2, "SGD", False, "mean"), (3, "SparseAdam", True, "sum"), (2, "RowWiseAdagrad", False, "sum"),
+    (2, "SGD", False, "max")])
+def test_sharded_bags_train_like_one_embedding_bag_on_the_ranks_bags_together(tmp_path, world, optimizer, fused,
+                                                                              mode):
+    """ShardedEmbeddingBag (2-D mean or max bags, or 1-D bags with offsets,
+    include_last_offset and per-sample weights; padding_idx in both) trains
+    its shards as one hostembed.EmbeddingBag trains on every rank's bags
+    together."""
+    results = run_ranks(world, "train_bags", tmp_path, optimizer, fused, mode)
+    last = mode == "sum"
+    emb = hostembed.EmbeddingBag.from_pretrained(initial_table(), freeze=False, mode=mode, padding_idx=5,
+                                                 include_last_offset=last)
+    cls, hyper = OPTIMIZERS[optimizer]
+    opt = cls(emb.parameters(), fused=fused, **hyper)
+    for step in range(STEPS):
+        parts = [bags(step, rank) for rank in range(world)]
+        if last:
+            flat = torch.cat([p[1] for p in parts])
+            starts = torch.tensor([0] + [p[1].numel() for p in parts]).cumsum(0)
+            offsets = torch.cat([p[2][:-1] + start for p, start in zip(parts, starts)] + [starts[-1:]])
+            out, target = emb(flat, offsets, torch.cat([p[3] for p in parts])), torch.cat([p[5] for p in parts])
+        else:
+            out, target = emb(torch.cat([p[0] for p in parts])), torch.cat([p[4] for p in parts])
+        (out - target).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = opt.state[emb.weight]
+    changed = False
+    for r in results:
+        start, end = r["range"]
+        # The owner sums the ranks' partial sums of a row's gradient: equal to float32 rounding.
+        torch.testing.assert_close(r["weight"], emb.weight.detach()[start:end], rtol=1e-5, atol=1e-6)
+        changed |= not torch.equal(r["weight"], initial_table()[start:end])
+        for key, value in r["state"].items():
+            torch.testing.assert_close(value, state[key][start:end], rtol=1e-5, atol=1e-6)
+    assert changed
+    assert torch.equal(emb.weight.detach()[5], initial_table()[5])  # padding never trained
+
+
 def test_an_id_out_of_range_on_one_rank_raises_on_every_rank(tmp_path):
     results = run_ranks(2, "out_of_range", tmp_path)
     for r in results:
@@ -96,13 +136,13 @@ def test_ranks_building_different_tables_are_refused_on_every_rank(tmp_path):
         assert r["message"] is not None and "rank 0" in r["message"] and "rank 1" in r["message"]
 
 
-@pytest.mark.parametrize("kind", ["ShardedEmbedding", "SharedEmbedding"])
+@pytest.mark.parametrize("kind", ["ShardedEmbedding", "ShardedEmbeddingBag", "SharedEmbedding"])
 def test_ddp_averages_the_dense_part_and_leaves_the_table_out(tmp_path, kind):
     results = run_ranks(2, "with_ddp", tmp_path, kind)
     mean = torch.stack([r["own_dense_grad"] for r in results]).mean(0)
     for r in results:
         torch.testing.assert_close(r["dense_grad"], mean)
-        assert r["ignored"] == ["emb.shard.weight" if kind == "ShardedEmbedding" else "emb.table.weight"]
+        assert r["ignored"] == ["emb.shard.weight" if kind.startswith("Sharded") else "emb.table.weight"]
         assert r["table_grad_same"]
 
 

@@ -1,4 +1,4 @@
-"""Checkpoints of models with ShardedEmbedding tables, loaded into another
+"""Checkpoints of models with ShardedEmbedding(Bag) tables, loaded into another
 number of ranks: each rank takes the rows of its new range from the files
 the old ranks wrote (hostembed.save, one file a rank), memory-mapped, so a
 rank reads only its rows."""
@@ -6,14 +6,14 @@ import torch
 
 from ..io.stream import copy_rows
 from ..io.checkpoint import load as load_checkpoint
-from .sharded_embedding import WHO, ShardedEmbedding
+from .sharded_embedding import WHO, _RowSharded
 
 
 def load_resharded(paths, model, optimizer=None):
     """Restores into `model` (and `optimizer`, one optimizer) the
     checkpoints that `len(paths)` ranks wrote with
     ``hostembed.save(path, model, optimizer)``, given in rank order, whatever
-    the number of ranks now: each ShardedEmbedding takes the rows of its
+    the number of ranks now: each ShardedEmbedding or ShardedEmbeddingBag takes the rows of its
     range (and their optimizer state) from the files that hold them;
     everything else comes from the first file. With as many files as
     ranks, it is ``hostembed.load(paths[rank], model, optimizer)``.
@@ -22,9 +22,9 @@ def load_resharded(paths, model, optimizer=None):
     Raises ValueError when the files do not hold a sharded table's rows as
     `len(paths)` ranks would have, before anything changes."""
     paths = [str(p) for p in paths]
-    tables = [(name, m) for name, m in model.named_modules() if isinstance(m, ShardedEmbedding)]
+    tables = [(name, m) for name, m in model.named_modules() if isinstance(m, _RowSharded)]
     if not tables:
-        raise ValueError(f"{WHO}: load_resharded needs a model with ShardedEmbedding tables")
+        raise ValueError(f"{WHO}: load_resharded needs a model with ShardedEmbedding or ShardedEmbeddingBag tables")
     world = tables[0][1].world_size
     if len(paths) == world:
         return load_checkpoint(paths[tables[0][1].rank], model, optimizer)
