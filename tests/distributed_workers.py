@@ -78,6 +78,48 @@ def train_bags(rank, world, optimizer, fused, mode):
     return {"range": emb.row_range, "weight": emb.shard.weight.detach().clone(), "state": state}
 
 
+def train_host_sharded(rank, world, optimizer, bag):
+    """Rows sharded over 2 played hosts (ranks 2h and 2h + 1 on host h),
+    each host's rows one copy its two ranks share; then an id out of range
+    on the last rank."""
+    host = f"host{rank // 2}"
+    if bag:
+        emb = hd.ShardedEmbeddingBag.from_pretrained(initial_table(), freeze=False, mode="sum",
+                                                     share_within_host=True, _host=host)
+    else:
+        emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False, share_within_host=True, _host=host)
+    cls, hyper = OPTIMIZERS[optimizer]
+    opt = cls(emb.parameters(), **hyper)
+    for step in range(STEPS):
+        ids, target = batch(step, rank)
+        (emb(ids) - (target.sum(1) if bag else target)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    weight = emb.shard.table.weight
+    dist.barrier()  # the last updates done before the rows are read
+    start, end = emb.shard.row_range
+    state = {key: torch.as_tensor(value)[start:end].clone() for key, value in opt.state[weight].items()
+             if torch.is_tensor(value) and value.dim() > 0}
+    ids = torch.tensor([[3, ROWS + 7]]) if rank == world - 1 else torch.tensor([[1, 2]])
+    try:
+        emb(ids)
+    except IndexError as exc:
+        message = str(exc)
+    else:
+        message = None
+    return {"rows": emb.row_range, "own": (emb.row_range[0] + start, emb.row_range[0] + end),
+            "weight": weight.detach().clone(), "state": state, "mapping": _mapping_of(weight.data_ptr()),
+            "message": message}
+
+
+def uneven_hosts(rank, world):
+    try:
+        hd.ShardedEmbedding(ROWS, DIM, share_within_host=True, _host="host0" if rank < 2 else "host1")
+    except ValueError as exc:
+        return {"message": str(exc)}
+    return {"message": None}
+
+
 def out_of_range(rank, world):
     emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False)
     before = emb.shard.weight.detach().clone()
@@ -246,7 +288,8 @@ def shared_refusals(rank, world):
 
 JOBS = {"train": train, "out_of_range": out_of_range, "mismatched": mismatched, "with_ddp": with_ddp,
         "reshard": reshard, "load_foreign": load_foreign, "rank_dies": rank_dies,
-        "train_shared": train_shared, "shared_refusals": shared_refusals, "train_bags": train_bags}
+        "train_shared": train_shared, "shared_refusals": shared_refusals, "train_bags": train_bags,
+        "train_host_sharded": train_host_sharded, "uneven_hosts": uneven_hosts}
 
 
 def worker(rank, world, outdir, job, args):

@@ -122,6 +122,43 @@ def test_sharded_bags_train_like_one_embedding_bag_on_the_ranks_bags_together(tm
     assert torch.equal(emb.weight.detach()[5], initial_table()[5])  # padding never trained
 
 
+@pytest.mark.parametrize("optimizer, bag", [("SGD", False), ("RowWiseAdagrad", False), ("SparseAdam", True)])
+def test_rows_sharded_over_hosts_and_shared_within_each_train_like_one_table(tmp_path, optimizer, bag):
+    """2 played hosts x 2 ranks, share_within_host=True: each host holds
+    half the rows once (its two ranks map one file), each rank updates a
+    quarter; the result is one process training on all four ranks'
+    batches. An id out of range on the last rank raises on every rank."""
+    results = run_ranks(4, "train_host_sharded", tmp_path, optimizer, bag)
+    if bag:
+        emb = hostembed.EmbeddingBag.from_pretrained(initial_table(), freeze=False, mode="sum")
+        cls, hyper = OPTIMIZERS[optimizer]
+        opt = cls(emb.parameters(), **hyper)
+        for step in range(STEPS):
+            pairs = [batch(step, rank) for rank in range(4)]
+            ids, target = torch.cat([i for i, _ in pairs]), torch.cat([t.sum(1) for _, t in pairs])
+            (emb(ids) - target).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    else:
+        emb, opt = reference(optimizer, False, 4)
+    state = opt.state[emb.weight]
+    assert [r["rows"] for r in results] == [(0, 300), (0, 300), (300, 600), (300, 600)]
+    assert [r["own"] for r in results] == [(0, 150), (150, 300), (300, 450), (450, 600)]
+    assert results[0]["mapping"] == results[1]["mapping"] != results[2]["mapping"] == results[3]["mapping"]
+    for r in results:
+        start, end = r["rows"]
+        torch.testing.assert_close(r["weight"], emb.weight.detach()[start:end], rtol=1e-5, atol=1e-6)
+        own_start, own_end = r["own"]
+        for key, value in r["state"].items():
+            torch.testing.assert_close(value, state[key][own_start:own_end], rtol=1e-5, atol=1e-6)
+        assert r["message"] is not None and "rank 3" in r["message"] and f"id {600 + 7}" in r["message"]
+
+
+def test_sharing_within_hosts_needs_as_many_ranks_on_every_host(tmp_path):
+    for r in run_ranks(3, "uneven_hosts", tmp_path):
+        assert r["message"] is not None and "2 on 'host0'" in r["message"] and "1 on 'host1'" in r["message"]
+
+
 def test_an_id_out_of_range_on_one_rank_raises_on_every_rank(tmp_path):
     results = run_ranks(2, "out_of_range", tmp_path)
     for r in results:

@@ -25,6 +25,10 @@ def load_resharded(paths, model, optimizer=None):
     tables = [(name, m) for name, m in model.named_modules() if isinstance(m, _RowSharded)]
     if not tables:
         raise ValueError(f"{WHO}: load_resharded needs a model with ShardedEmbedding or ShardedEmbeddingBag tables")
+    shared = [name for name, m in tables if m._whole_group is not None]
+    if shared:
+        raise ValueError(f"{WHO}: load_resharded does not take tables made with share_within_host=True "
+                         f"({', '.join(repr(n) for n in shared)}): their ranks share one copy of a host's rows")
     world = tables[0][1].world_size
     if len(paths) == world:
         return load_checkpoint(paths[tables[0][1].rank], model, optimizer)

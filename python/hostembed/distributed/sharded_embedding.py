@@ -1,6 +1,8 @@
 """ShardedEmbedding: one table's rows spread over the ranks of a
 torch.distributed process group, each rank holding its contiguous range in
 a hostembed.Embedding of its own (its shard)."""
+import socket
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -10,6 +12,7 @@ from .._core.ops import cpu as cpu_ops
 from ..nn.embedding import Embedding
 from .agreement import agree, check_pretrained
 from .exchange import ExchangeRows, ExpandRows, exchange, split_by_owner
+from .shared_embedding import SharedEmbedding
 
 WHO = "hostembed.distributed.ShardedEmbedding"
 
@@ -22,19 +25,41 @@ class _RowSharded(nn.Module):
     _who = WHO
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx, process_group, sparse, dtype, _weight,
-                 flags=()):
+                 flags=(), share_within_host=False, _host=None):
         super().__init__()
+        # _host: which host this rank is on, for tests that play several.
+        host = (socket.gethostname() if _host is None else _host) if share_within_host else None
         agreed = agree(self._who, num_embeddings, embedding_dim, padding_idx, dtype, process_group, _weight,
-                       flags=(bool(sparse), *flags))
-        group, rank, world, padding_idx, dtype, bounds = agreed[:6]
+                       flags=(bool(sparse), bool(share_within_host), *flags), extra=host)
+        group, rank, world, padding_idx, dtype, bounds, hosts = agreed
         self.num_embeddings, self.embedding_dim, self.padding_idx = int(num_embeddings), int(embedding_dim), padding_idx
+        self._whole_group = None
+        if share_within_host:
+            # Rows spread over the hosts; each host's rows one copy that its
+            # ranks share; the lookups go to the rank of the same local index
+            # on the owning host.
+            self._whole_group = group
+            host_group, group, rank, world = _host_groups(group, hosts, self._who)
+            bounds = [int(num_embeddings) * h // world for h in range(world + 1)]
         self.process_group, self.rank, self.world_size = group, rank, world
+        # The ranks of the exchange group as the user numbers them (the
+        # process group's own ranks), for messages.
+        whole = self._whole_group if share_within_host else group
+        self._rank_names = ([_group_rank(whole, dist.get_global_rank(group, r)) for r in range(world)]
+                            if share_within_host else list(range(world)))
         self._bounds = torch.tensor(bounds, dtype=torch.int64)
         start, end = bounds[rank], bounds[rank + 1]
         self.row_range = (start, end)
         local_padding = padding_idx - start if padding_idx is not None and start <= padding_idx < end else None
-        self.shard = Embedding(end - start, embedding_dim, local_padding, sparse=sparse, dtype=dtype,
-                               _weight=None if _weight is None else _weight[start:end])
+        rows = None if _weight is None else _weight[start:end]
+        if share_within_host:
+            self.shard = SharedEmbedding(end - start, embedding_dim, local_padding, process_group=host_group,
+                                         dtype=dtype, _weight=rows, _host=host)
+        else:
+            self.shard = Embedding(end - start, embedding_dim, local_padding, sparse=sparse, dtype=dtype, _weight=rows)
+
+    def _shard_weight(self):
+        return self.shard.table.weight if isinstance(self.shard, SharedEmbedding) else self.shard.weight
 
     def _distinct_rows(self, flat):
         """(rows, dedup, unique, inverse) of this rank's flat ids: the rows
@@ -45,6 +70,10 @@ class _RowSharded(nn.Module):
         every rank before any id travels."""
         bad = ((flat < 0) | (flat >= self.num_embeddings)).nonzero()
         first_bad = [int(flat[bad[0, 0]]), int(bad[0, 0])] if bad.numel() else [0, -1]
+        if self._whole_group is not None:
+            # The exchanges below reach only this rank's peers on the other
+            # hosts: every rank of the group hears of a bad id first.
+            self._range_check_everywhere(first_bad)
         if bad.numel():  # sends nothing: every rank raises after the counts' exchange
             dedup, unique, inverse = None, flat.new_empty(0, dtype=torch.int64), None
         else:
@@ -67,15 +96,53 @@ class _RowSharded(nn.Module):
         dist.all_to_all_single(got, out, group=self.process_group)
         for r, (_, bad_id, position) in enumerate(got.tolist()):
             if position >= 0:
-                raise IndexError(f"{self._who}: id {bad_id} at position {position} of rank {r}'s ids is out of "
-                                 f"range for a table of {self.num_embeddings} rows (raised on every rank; nothing "
-                                 "was looked up)")
+                self._raise_out_of_range(bad_id, position, self._rank_names[r])
         return got[:, 0].tolist()
+
+    def _range_check_everywhere(self, first_bad):
+        """IndexError on every rank of the whole group if any has an id
+        outside the table (first_bad: [id, position], position -1 for
+        none), from one all-gather."""
+        group = self._whole_group
+        got = torch.empty(dist.get_world_size(group), 2, dtype=torch.int64)
+        dist.all_gather_into_tensor(got, torch.tensor([first_bad], dtype=torch.int64), group=group)
+        for r, (bad_id, position) in enumerate(got.tolist()):
+            if position >= 0:
+                self._raise_out_of_range(bad_id, position, r)
+
+    def _raise_out_of_range(self, bad_id, position, rank):
+        raise IndexError(f"{self._who}: id {bad_id} at position {position} of rank {rank}'s ids is out of range for "
+                         f"a table of {self.num_embeddings} rows (raised on every rank; nothing was looked up)")
 
     def extra_repr(self):
         start, end = self.row_range
         return (f"{self.num_embeddings}, {self.embedding_dim}, rank {self.rank} of {self.world_size} holds rows "
                 f"[{start}, {end})")
+
+
+def _group_rank(group, global_rank):
+    return dist.get_group_rank(group, global_rank) if group is not dist.group.WORLD else global_rank
+
+
+def _host_groups(group, hosts, who):
+    """(this rank's host group, its cross-host group, its host's index, the
+    number of hosts) for a group whose ranks are on `hosts` (hosts[r]:
+    rank r's): the ranks of each host, and for each local index the ranks
+    of that index on every host. Every host must run as many ranks
+    (ValueError). Every rank makes every group, in the same order, as
+    torch.distributed.new_group needs."""
+    names = list(dict.fromkeys(hosts))
+    local = [[r for r, h in enumerate(hosts) if h == name] for name in names]
+    if len({len(ranks) for ranks in local}) != 1:
+        raise ValueError(f"{who}: share_within_host needs as many ranks on every host, got "
+                         + ", ".join(f"{len(ranks)} on {name!r}" for name, ranks in zip(names, local)))
+    glob = [dist.get_global_rank(group, r) if group is not dist.group.WORLD else r for r in range(len(hosts))]
+    me = dist.get_rank(group)
+    host_groups = [dist.new_group([glob[r] for r in ranks]) for ranks in local]
+    cross_groups = [dist.new_group([glob[ranks[i]] for ranks in local]) for i in range(len(local[0]))]
+    h = names.index(hosts[me])
+    i = local[h].index(me)
+    return host_groups[h], cross_groups[i], h, len(names)
 
 
 class ShardedEmbedding(_RowSharded):
@@ -101,6 +168,15 @@ class ShardedEmbedding(_RowSharded):
     id and the rank, before anything is looked up. Every rank must build
     the same table (``ValueError`` otherwise, on every rank).
 
+    ``share_within_host=True`` spreads the rows over the hosts instead of
+    the ranks: host h of H holds rows ``[h * N // H, (h + 1) * N // H)`` as
+    one :class:`SharedEmbedding` that all its ranks map (``self.shard``),
+    each rank updating its part of them (optimizers with ``fused=False``),
+    so a host holds its rows once whatever its number of ranks. A rank's
+    lookups go to the rank of the same local index on the owning host.
+    Every host must run as many ranks (``ValueError`` otherwise); the
+    ranks' host is their host name.
+
     Arguments as :class:`hostembed.Embedding` (``num_embeddings``,
     ``embedding_dim``, ``padding_idx``, ``sparse``, ``dtype``), and
     ``process_group`` (default: the world). A new table's shards are drawn
@@ -108,17 +184,19 @@ class ShardedEmbedding(_RowSharded):
     """
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, *, process_group=None, sparse=True,
-                 dtype=None, _weight=None):
-        super().__init__(num_embeddings, embedding_dim, padding_idx, process_group, sparse, dtype, _weight)
+                 dtype=None, share_within_host=False, _weight=None, _host=None):
+        super().__init__(num_embeddings, embedding_dim, padding_idx, process_group, sparse, dtype, _weight,
+                         share_within_host=share_within_host, _host=_host)
 
     @classmethod
-    def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, *, process_group=None, sparse=True):
+    def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, *, process_group=None, sparse=True,
+                        share_within_host=False, _host=None):
         """A table holding `embeddings` (the whole [N, D] table, the same on
         every rank), each rank keeping its own rows."""
         check_pretrained(WHO, embeddings)
         module = cls(*embeddings.shape, padding_idx, process_group=process_group, sparse=sparse,
-                     dtype=embeddings.dtype, _weight=embeddings)
-        module.shard.weight.requires_grad_(not freeze)
+                     dtype=embeddings.dtype, share_within_host=share_within_host, _weight=embeddings, _host=_host)
+        module._shard_weight().requires_grad_(not freeze)
         return module
 
     def forward(self, input):

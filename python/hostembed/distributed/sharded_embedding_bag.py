@@ -33,7 +33,8 @@ class ShardedEmbeddingBag(_RowSharded):
     Arguments as :class:`torch.nn.EmbeddingBag` (``num_embeddings``,
     ``embedding_dim``, ``mode``, ``padding_idx``, ``include_last_offset``,
     ``sparse``, ``dtype``; ``max_norm`` and ``scale_grad_by_freq`` are not
-    taken), and ``process_group`` (default: the world). Any hostembed
+    taken), ``process_group`` (default: the world) and
+    ``share_within_host`` (as :class:`ShardedEmbedding`'s). Any hostembed
     optimizer trains the shard, ``fused=True`` too; keep the module out of
     ``DistributedDataParallel`` with :func:`exclude_from_ddp`. An id
     outside the table on any rank raises ``IndexError`` on every rank, and
@@ -43,26 +44,27 @@ class ShardedEmbeddingBag(_RowSharded):
     _who = WHO
 
     def __init__(self, num_embeddings, embedding_dim, mode="mean", padding_idx=None, include_last_offset=False, *,
-                 process_group=None, sparse=True, dtype=None, _weight=None):
+                 process_group=None, sparse=True, dtype=None, share_within_host=False, _weight=None, _host=None):
         bag_input.check_options(mode, False)
         super().__init__(num_embeddings, embedding_dim, padding_idx, process_group, sparse, dtype, _weight,
-                         flags=(mode, bool(include_last_offset)))
+                         flags=(mode, bool(include_last_offset)), share_within_host=share_within_host, _host=_host)
         self.mode, self.include_last_offset = mode, bool(include_last_offset)
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze=True, mode="mean", padding_idx=None, include_last_offset=False, *,
-                        process_group=None, sparse=True):
+                        process_group=None, sparse=True, share_within_host=False, _host=None):
         """A table holding `embeddings` (the whole [N, D] table, the same on
         every rank), each rank keeping its own rows."""
         check_pretrained(WHO, embeddings)
         module = cls(*embeddings.shape, mode, padding_idx, include_last_offset, process_group=process_group,
-                     sparse=sparse, dtype=embeddings.dtype, _weight=embeddings)
-        module.shard.weight.requires_grad_(not freeze)
+                     sparse=sparse, dtype=embeddings.dtype, share_within_host=share_within_host, _weight=embeddings,
+                     _host=_host)
+        module._shard_weight().requires_grad_(not freeze)
         return module
 
     def forward(self, input, offsets=None, per_sample_weights=None):
         ids, offsets, per_sample_weights, include_last_offset = bag_input.flatten(
-            input, offsets, per_sample_weights, self.mode, self.include_last_offset, self.shard.weight.dtype)
+            input, offsets, per_sample_weights, self.mode, self.include_last_offset, self._shard_weight().dtype)
         ids, offsets = ids.cpu(), offsets.cpu()
         rows, _, unique, inverse = self._distinct_rows(ids.reshape(-1))
         padding = -1 if self.padding_idx is None else self.padding_idx
