@@ -18,6 +18,15 @@ OPTIMIZERS = {
 }
 
 
+def raised(kind, call, *args):
+    """The message of the `kind` exception call(*args) raises, or None."""
+    try:
+        call(*args)
+    except kind as exc:
+        return str(exc)
+    return None
+
+
 def initial_table():
     return torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(0))
 
@@ -100,36 +109,21 @@ def train_host_sharded(rank, world, optimizer, bag):
     start, end = emb.shard.row_range
     state = {key: torch.as_tensor(value)[start:end].clone() for key, value in opt.state[weight].items()
              if torch.is_tensor(value) and value.dim() > 0}
-    ids = torch.tensor([[3, ROWS + 7]]) if rank == world - 1 else torch.tensor([[1, 2]])
-    try:
-        emb(ids)
-    except IndexError as exc:
-        message = str(exc)
-    else:
-        message = None
+    message = raised(IndexError, emb, torch.tensor([[3, ROWS + 7]]) if rank == world - 1 else torch.tensor([[1, 2]]))
     return {"rows": emb.row_range, "own": (emb.row_range[0] + start, emb.row_range[0] + end),
             "weight": weight.detach().clone(), "state": state, "mapping": _mapping_of(weight.data_ptr()),
             "message": message}
 
 
 def uneven_hosts(rank, world):
-    try:
-        hd.ShardedEmbedding(ROWS, DIM, share_within_host=True, _host="host0" if rank < 2 else "host1")
-    except ValueError as exc:
-        return {"message": str(exc)}
-    return {"message": None}
+    return {"message": raised(ValueError, lambda: hd.ShardedEmbedding(
+        ROWS, DIM, share_within_host=True, _host="host0" if rank < 2 else "host1"))}
 
 
 def out_of_range(rank, world):
     emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False)
     before = emb.shard.weight.detach().clone()
-    ids = torch.tensor([3, ROWS + 5]) if rank == world - 1 else torch.tensor([1, 2])
-    try:
-        emb(ids)
-    except IndexError as exc:
-        message = str(exc)
-    else:
-        message = None
+    message = raised(IndexError, emb, torch.tensor([3, ROWS + 5]) if rank == world - 1 else torch.tensor([1, 2]))
     # The group still works: a good batch after the refused one.
     good = emb(torch.tensor([rank, ROWS - 1 - rank]))
     return {"message": message, "unchanged": torch.equal(before, emb.shard.weight.detach()),
@@ -137,11 +131,7 @@ def out_of_range(rank, world):
 
 
 def mismatched(rank, world):
-    try:
-        hd.ShardedEmbedding(ROWS, DIM + rank)
-    except ValueError as exc:
-        return {"message": str(exc)}
-    return {"message": None}
+    return {"message": raised(ValueError, hd.ShardedEmbedding, ROWS, DIM + rank)}
 
 
 class _Model(torch.nn.Module):
@@ -219,12 +209,7 @@ def reshard(rank, world, checkpoints, written_by):
 def load_foreign(rank, world, directory):
     model = _Tables()
     before = model.emb.shard.weight.detach().clone()
-    try:
-        hd.load_resharded([os.path.join(directory, f"rank{r}.pt") for r in range(3)], model)
-    except ValueError as exc:
-        message = str(exc)
-    else:
-        message = None
+    message = raised(ValueError, hd.load_resharded, [os.path.join(directory, f"rank{r}.pt") for r in range(3)], model)
     return {"message": message, "unchanged": torch.equal(before, model.emb.shard.weight.detach())}
 
 
@@ -273,16 +258,10 @@ def train_shared(rank, world, optimizer):
 
 def shared_refusals(rank, world):
     out = {}
-    try:
-        hd.SharedEmbedding(ROWS, DIM, _host=f"host{rank}")
-    except ValueError as exc:
-        out["hosts"] = str(exc)
+    out["hosts"] = raised(ValueError, lambda: hd.SharedEmbedding(ROWS, DIM, _host=f"host{rank}"))
     emb = hd.SharedEmbedding(ROWS, DIM)
     hostembed.SparseAdam(emb.parameters(), fused=True)
-    try:
-        emb(torch.tensor([rank]))
-    except NotImplementedError as exc:
-        out["fused"] = str(exc)
+    out["fused"] = raised(NotImplementedError, emb, torch.tensor([rank]))
     return out
 
 
