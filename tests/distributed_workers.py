@@ -239,6 +239,39 @@ def _mapping_of(address):
     return None
 
 
+def _private_kib():
+    """This process's private resident memory (KiB)."""
+    with open("/proc/self/smaps_rollup") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean:", "Private_Dirty:")))
+
+
+def _smaps_of(address):
+    """The /proc/self/smaps fields (KiB) of the mapping holding `address`."""
+    fields, inside = {}, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= address < hi
+            elif inside and len(head) == 3 and head[2] == "kB":
+                fields[head[0].rstrip(":")] = int(head[1])
+    return fields
+
+
+def shared_memory(rank, world, rows, dim):
+    """A rows x dim SharedEmbedding whose every row each rank reads: what
+    the table's mapping holds in this process, and how much private memory
+    the rank gained building and reading it."""
+    before = _private_kib()
+    emb = hd.SharedEmbedding(rows, dim)
+    with torch.no_grad():
+        for chunk in torch.arange(rows).split(rows // 10):
+            emb(chunk)
+    dist.barrier()  # every rank has read every row
+    return {"mapping": _smaps_of(emb.table.weight.data_ptr()), "private_gain_kib": _private_kib() - before}
+
+
 def train_shared(rank, world, optimizer):
     emb = hd.SharedEmbedding.from_pretrained(initial_table(), freeze=False)
     cls, hyper = OPTIMIZERS[optimizer]
@@ -268,7 +301,8 @@ def shared_refusals(rank, world):
 JOBS = {"train": train, "out_of_range": out_of_range, "mismatched": mismatched, "with_ddp": with_ddp,
         "reshard": reshard, "load_foreign": load_foreign, "rank_dies": rank_dies,
         "train_shared": train_shared, "shared_refusals": shared_refusals, "train_bags": train_bags,
-        "train_host_sharded": train_host_sharded, "uneven_hosts": uneven_hosts}
+        "train_host_sharded": train_host_sharded, "uneven_hosts": uneven_hosts,
+        "shared_memory": shared_memory}
 
 
 def worker(rank, world, outdir, job, args):

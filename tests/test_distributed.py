@@ -247,6 +247,20 @@ def test_ranks_sharing_one_copy_train_like_one_table(tmp_path, world, optimizer)
     assert not torch.equal(emb.weight.detach(), initial_table()), "training changed nothing"
 
 
+def test_a_shared_table_is_one_copy_in_memory_whatever_the_ranks(tmp_path):
+    """Measured, not inferred: every page of the table's mapping is resident
+    and shared (none private to a rank, each rank's proportional share a
+    third with 3 ranks), and no rank's private memory grew by more than a
+    fraction of the table."""
+    rows, dim, world = 200_000, 32, 3
+    table_kib = rows * dim * 4 // 1024
+    for r in run_ranks(world, "shared_memory", tmp_path, rows, dim):
+        m = r["mapping"]
+        assert m["Rss"] >= table_kib and m["Private_Clean"] + m["Private_Dirty"] == 0, m
+        assert m["Pss"] <= table_kib / world + 64, m
+        assert r["private_gain_kib"] < table_kib / 2, (r["private_gain_kib"], table_kib)
+
+
 def test_a_shared_table_refuses_ranks_on_other_hosts_and_fused_updates(tmp_path):
     for r in run_ranks(2, "shared_refusals", tmp_path):
         assert "one host" in r["hosts"] and "'host1'" in r["hosts"]
