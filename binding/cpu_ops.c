@@ -250,9 +250,10 @@ static int heb_optim_tables(const heb_buffer *weight, PyObject *state, long long
     return 0;
 }
 
-static PyObject *heb_sparse_update(PyObject *mod, PyObject *args, PyObject *kwds)
+/* One table's update, its keyword arguments (a dict of heb_sparse_update_many's
+ * list), into out; 0 with an exception set. */
+static int heb_parse_update(PyObject *args, PyObject *kwds, he_sparse_update_job *out)
 {
-    (void)mod;
     static char *kwlist[] = {"kind", "weight", "state", "num_rows", "dim", "indices", "values", "nnz", "lr",
                              "beta1", "beta2", "eps", "lr_decay", "step", "maximize", "weight_decay", "dtype",
                              "values_dtype", "stochastic_rounding", "seed", NULL};
@@ -264,27 +265,66 @@ static PyObject *heb_sparse_update(PyObject *mod, PyObject *args, PyObject *kwds
     unsigned long long seed;
     he_optim_params hp = {0};
     int maximize, dtype, values_dtype, stochastic;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$iO&O!LLO&O&LdddddLpdiipK:sparse_update", kwlist, &hp.kind,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$iO&O!LLO&O&LdddddLpdiipK:sparse_update_many", kwlist, &hp.kind,
                                      heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows, &dim,
                                      heb_address_converter, &indices, heb_address_converter, &values, &nnz, &hp.lr,
                                      &hp.beta1, &hp.beta2, &hp.eps, &hp.lr_decay, &step, &maximize,
                                      &hp.weight_decay, &dtype, &values_dtype, &stochastic, &seed))
-        return NULL;
+        return 0;
     hp.step = step;
     hp.maximize = maximize;
     hp.stochastic_rounding = stochastic;
     hp.seed = seed;
-    he_table w, s[HE_OPTIM_MAX_STATE];
-    int num_state;
-    if (heb_optim_tables(&weight, state, num_rows, dim, dtype, &hp, &w, s, &num_state) < 0)
+    if (heb_optim_tables(&weight, state, num_rows, dim, dtype, &hp, &out->weight, out->state, &out->num_state) < 0)
+        return 0;
+    out->hp = hp;
+    out->indices = (const int64_t *)indices.ptr;
+    out->values = values.ptr;
+    out->values_dtype = values_dtype;
+    out->nnz = nnz;
+    return 1;
+}
+
+/* The updates of one or several tables in one call (a list of dicts, each
+ * one table's keywords: heb_parse_update), he_sparse_update_many. */
+static PyObject *heb_sparse_update_many(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"updates", NULL};
+    PyObject *list;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!:sparse_update_many", kwlist, &PyList_Type, &list))
         return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    he_sparse_update_job *jobs = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *jobs);
+    PyObject *empty = PyTuple_New(0);
+    PyObject *result = NULL;
+    if (!jobs || !empty) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        if (!PyDict_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "updates[%zd] must be a dict of an update's keywords, got %.100s", i,
+                         Py_TYPE(item)->tp_name);
+            goto done;
+        }
+        if (!heb_parse_update(empty, item, &jobs[i]))
+            goto done;
+    }
     he_status st;
+    /* The list (and the buffers its dicts hold) stays alive: our caller holds it. */
     Py_BEGIN_ALLOW_THREADS
-    st = he_sparse_update(&hp, &w, s, num_state, (const int64_t *)indices.ptr, values.ptr, values_dtype, nnz);
+    st = he_sparse_update_many(jobs, n);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
-        return heb_raise_status(st);
-    Py_RETURN_NONE;
+        heb_raise_status(st);
+    else
+        result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(empty);
+    PyMem_Free(jobs);
+    return result;
 }
 
 /* One table's fused update, its keyword arguments, into out; 0 with an
@@ -480,14 +520,15 @@ static PyMethodDef heb_cpu_methods[] = {
      "stochastic_rounding, seed, and optionally ids, count, ids_int64, bags), every one checked before any row is "
      "written; small ones side by side. dedup None: the core sorts the ids itself (those of bags, a pool_bags batch "
      "tuple whose positions then stand for bag_of and row_weights, or else ids[:count]); num_bags: grad's rows"},
-    {"sparse_update", HEB_KW_FUNC(heb_sparse_update), METH_VARARGS | METH_KEYWORDS,
-     "sparse_update($module, /, *, kind, weight, state, num_rows, dim, indices, values, nnz, lr, beta1, beta2, "
-     "eps, lr_decay, step, maximize, weight_decay, dtype, values_dtype, stochastic_rounding, seed)\n--\n\n"
-     "The update of optimizer `kind` (0 SparseAdam, 1 SGD, 2 Adagrad, 3 row-wise Adagrad) of rows "
-     "indices[:nnz] with grad rows values[:nnz] (of he_dtype `values_dtype`: the table's he_dtype `dtype` or "
-     "its compute type, float64 for float64, else float32), in place; weight: the HostBuffer of [num_rows, dim] rows, "
-     "state: a tuple of the optimizer's state HostBuffers ([num_rows, dim] or [num_rows, 1] each; ValueError "
-     "if they do not fit)"},
+    {"sparse_update_many", HEB_KW_FUNC(heb_sparse_update_many), METH_VARARGS | METH_KEYWORDS,
+     "sparse_update_many($module, /, *, updates)\n--\n\n"
+     "The updates of one or several tables (a list of dicts: kind, weight, state, num_rows, dim, indices, values, "
+     "nnz, lr, beta1, beta2, eps, lr_decay, step, maximize, weight_decay, dtype, values_dtype, stochastic_rounding, "
+     "seed), every one checked before any row is written; small ones side by side. Each: the update of optimizer "
+     "`kind` (0 SparseAdam, 1 SGD, 2 Adagrad, 3 row-wise Adagrad) of rows indices[:nnz] with grad rows "
+     "values[:nnz] (of he_dtype `values_dtype`: the table's he_dtype `dtype` or its compute type), in place; "
+     "weight: the HostBuffer of [num_rows, dim] rows, state: a tuple of the optimizer's state HostBuffers "
+     "([num_rows, dim] or [num_rows, 1] each; ValueError if they do not fit)"},
     {NULL, NULL, 0, NULL},
 };
 

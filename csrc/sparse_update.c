@@ -232,26 +232,40 @@ static he_status coalesce(const he_dedup *d, const void *grad, int64_t dim, cons
     return he_grad_reduce(d, grad, dim, opts, *sums, *unique_rows, count);
 }
 
-he_status he_sparse_update(const he_optim_params *hp, const he_table *weight, const he_table *state,
-                           int num_state, const int64_t *indices, const void *values, int values_dtype, int64_t nnz)
+/* he_sparse_update's checks, everything before a row is written: u
+ * prepared, *ascending whether the indices are strictly ascending. */
+static he_status check_update(const he_optim_params *hp, const he_table *weight, const he_table *state,
+                              int num_state, const int64_t *indices, int values_dtype, int64_t nnz, update_ctx *u,
+                              int *ascending)
 {
-    update_ctx u;
-    he_status st = prepare(hp, weight, state, num_state, &u);
+    he_status st = prepare(hp, weight, state, num_state, u);
     if (st != HE_OK)
         return st;
     if ((st = check_gradient_dtype(weight, values_dtype)) != HE_OK)
         return st;
-    int compute = he_compute_dtype(weight->dtype);
     int64_t num_rows = weight->num_rows;
     if (nnz < 0)
         return he_fail(HE_ERR_VALUE, "a gradient needs nnz >= 0, got %" PRId64, nnz);
-    int ascending = 1;
+    *ascending = 1;
     for (int64_t k = 0; k < nnz; k++) {
         if ((uint64_t)indices[k] >= (uint64_t)num_rows)
             return he_fail_out_of_range(k, indices[k], num_rows);
         if (k > 0 && indices[k] <= indices[k - 1])
-            ascending = 0;
+            *ascending = 0;
     }
+    return HE_OK;
+}
+
+he_status he_sparse_update(const he_optim_params *hp, const he_table *weight, const he_table *state,
+                           int num_state, const int64_t *indices, const void *values, int values_dtype, int64_t nnz)
+{
+    update_ctx u;
+    int ascending = 0;
+    he_status st = check_update(hp, weight, state, num_state, indices, values_dtype, nnz, &u, &ascending);
+    if (st != HE_OK)
+        return st;
+    int compute = he_compute_dtype(weight->dtype);
+    int64_t num_rows = weight->num_rows;
     /* rows_range widens a half gradient in blocks, too short for a rule
      * that needs a long row whole: that one goes through coalesce, which
      * writes it out widened. */
@@ -464,3 +478,58 @@ done:
     free(why);
     return st;
 }
+
+typedef struct update_many_job {
+    const he_sparse_update_job *jobs;
+    he_status *status;
+    char (*why)[256];
+} update_many_job;
+
+static void run_sparse_updates(void *ctx, int64_t begin, int64_t end)
+{
+    const update_many_job *job = ctx;
+    for (int64_t i = begin; i < end; i++) {
+        const he_sparse_update_job *j = &job->jobs[i];
+        job->status[i] = he_sparse_update(&j->hp, &j->weight, j->state, j->num_state, j->indices, j->values,
+                                          j->values_dtype, j->nnz);
+        if (job->status[i] != HE_OK)
+            snprintf(job->why[i], sizeof job->why[i], "%s", he_last_error());
+    }
+}
+
+he_status he_sparse_update_many(const he_sparse_update_job *jobs, int64_t count)
+{
+    if (count < 0)
+        return he_fail(HE_ERR_VALUE, "an update of %" PRId64 " tables", count);
+    int small = 1;
+    for (int64_t i = 0; i < count; i++) {
+        const he_sparse_update_job *j = &jobs[i];
+        update_ctx u;
+        int ascending = 0;
+        he_status st = check_update(&j->hp, &j->weight, j->state, j->num_state, j->indices, j->values_dtype, j->nnz,
+                                    &u, &ascending);
+        if (st != HE_OK)
+            return count > 1 ? name_table(st, i, count, he_last_error()) : st;
+        /* Each row and its state read and written, its gradient read. */
+        int64_t bytes = j->nnz * j->weight.dim * (int64_t)he_dtype_size(j->values_dtype) * (2 + 2 * j->num_state + 1);
+        small &= bytes < HE_PARALLEL_MIN_BYTES;
+    }
+    size_t n = (size_t)(count > 0 ? count : 1);
+    he_status *status = calloc(n, sizeof *status);
+    char(*why)[256] = calloc(n, sizeof *why);
+    he_status st = HE_OK;
+    if (!status || !why) {
+        st = he_fail(HE_ERR_NOMEM, "no memory for an update of %" PRId64 " tables", count);
+    } else {
+        update_many_job job = {jobs, status, why};
+        st = small ? he_parallel_for(count, 1, run_sparse_updates, &job) : HE_OK;
+        if (st == HE_OK && !small)
+            run_sparse_updates(&job, 0, count);
+        if (st == HE_OK)
+            st = first_failure(status, why, count);
+    }
+    free(status);
+    free(why);
+    return st;
+}
+

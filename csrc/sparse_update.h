@@ -31,6 +31,25 @@ he_status he_sparse_update(const he_optim_params *hp, const he_table *weight, co
                            int num_state, const int64_t *indices, const void *values, int values_dtype,
                            int64_t nnz);
 
+/* One table's he_sparse_update, for he_sparse_update_many. */
+typedef struct he_sparse_update_job {
+    he_optim_params hp;
+    he_table weight;
+    he_table state[HE_OPTIM_MAX_STATE];
+    int num_state;
+    const int64_t *indices;
+    const void *values;
+    int values_dtype;
+    int64_t nnz;
+} he_sparse_update_job;
+
+/* he_sparse_update of several tables (an optimizer's tables at one step),
+ * the same bits as one call each. Every update is checked before any row
+ * is written (an error names the table, "table k of n", when there are
+ * several); tables too small to be worth the threads on their own are
+ * updated side by side, one thread a table, others one after another. */
+he_status he_sparse_update_many(const he_sparse_update_job *jobs, int64_t count);
+
 /* Backward and update in one pass (the fused mode): the gradient of a
  * lookup of d's ids is grad ([d->count, dim] rows in the batch's order, of
  * opts->dtype: the table's compute type or, for a half table, its dtype);

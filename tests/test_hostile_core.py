@@ -319,11 +319,16 @@ def test_shapes_larger_than_the_buffer_are_refused_before_any_work(num_rows, dim
     state = [_C.HostBuffer(16 * 4), _C.HostBuffer(16 * 4)]
     grad = torch.ones(1, 4)
     with pytest.raises(ValueError, match="weight: .*needs"):
-        _C.sparse_update(kind=0, weight=buf, state=tuple(state), num_rows=num_rows, dim=dim,
+        _sparse_update(kind=0, weight=buf, state=tuple(state), num_rows=num_rows, dim=dim,
                          indices=ids.data_ptr(), values=grad.data_ptr(), nnz=1, lr=1.0, beta1=0.9, beta2=0.999,
                          eps=1e-8, lr_decay=0.0, step=1, maximize=False, weight_decay=0.0, dtype=0, values_dtype=0,
                          stochastic_rounding=False, seed=0)
     assert not any(bytes(memoryview(b)) != bytes(64) for b in [buf, *state])
+
+
+def _sparse_update(**update):
+    """One table's update through the core's many-table entry."""
+    _C.sparse_update_many(updates=[update])
 
 
 def test_optimizer_state_buffers_too_small_shared_or_miscounted():
@@ -335,20 +340,20 @@ def test_optimizer_state_buffers_too_small_shared_or_miscounted():
                  beta2=0.999, eps=1e-8, lr_decay=0.0, step=1, maximize=False, weight_decay=0.0, dtype=0, values_dtype=0,
                          stochastic_rounding=False, seed=0)
     with pytest.raises(ValueError, match=r"exp_avg: a \[4, 4\] float32 table .* needs 64 bytes, but its buffer has 60"):
-        _C.sparse_update(kind=0, weight=w, state=(small, v), **hyper)
+        _sparse_update(kind=0, weight=w, state=(small, v), **hyper)
     with pytest.raises(ValueError, match="exp_avg_sq overlaps the weight"):
-        _C.sparse_update(kind=0, weight=w, state=(v, w), **hyper)
+        _sparse_update(kind=0, weight=w, state=(v, w), **hyper)
     with pytest.raises(ValueError, match="SparseAdam keeps 2 state buffers, got a tuple of 1"):
-        _C.sparse_update(kind=0, weight=w, state=(v,), **hyper)
+        _sparse_update(kind=0, weight=w, state=(v,), **hyper)
     with pytest.raises(ValueError, match="unknown optimizer kind 9"):
-        _C.sparse_update(kind=9, weight=w, state=(), **hyper)
+        _sparse_update(kind=9, weight=w, state=(), **hyper)
     with pytest.raises(TypeError, match="exp_avg must be a hostembed._core._C.HostBuffer"):
-        _C.sparse_update(kind=0, weight=w, state=(1, v), **hyper)
+        _sparse_update(kind=0, weight=w, state=(1, v), **hyper)
     # Row-wise Adagrad keeps one value per row: 4 rows need 16 bytes.
     with pytest.raises(ValueError, match=r"sum: a \[4, 1\] float32 table .* needs 16 bytes, but its buffer has 12"):
-        _C.sparse_update(kind=3, weight=w, state=(_C.HostBuffer(12),), **hyper)
+        _sparse_update(kind=3, weight=w, state=(_C.HostBuffer(12),), **hyper)
     with pytest.raises(ValueError, match="RowWiseAdagrad's row_sum overlaps the weight"):
-        _C.sparse_update(kind=3, weight=w, state=(w,), **hyper)
+        _sparse_update(kind=3, weight=w, state=(w,), **hyper)
     assert bytes(memoryview(w)) == bytes(range(64))
 
 

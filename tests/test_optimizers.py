@@ -222,6 +222,37 @@ def test_a_bad_gradient_changes_nothing(make):
 
 @pytest.mark.parametrize("make", [lambda p: hostembed.SGD(p, lr=0.1), lambda p: hostembed.Adagrad(p, lr=0.1),
                                   lambda p: hostembed.RowWiseAdagrad(p, lr=0.1)], ids=["sgd", "adagrad", "rowwise"])
+def test_several_tables_step_as_one_table_each_and_a_bad_one_changes_none(make):
+    """One step() updates every table in one call of the core: the bits of
+    one optimizer a table; an id out of range in the last table's gradient
+    raises naming it, and no table (nor its state) changes."""
+    tables = [hostembed.Embedding(n, d) for n, d in ((200, 8), (50, 16), (7, 3))]
+    alone = [hostembed.Embedding.from_pretrained(t.weight.detach(), freeze=False) for t in tables]
+    opt = make([t.weight for t in tables])
+    opts = [make([t.weight]) for t in alone]
+    for ids, _ in batches(50, 1, steps=3, batch=64):
+        for group, optimizers in ((tables, [opt]), (alone, opts)):
+            sum(t(ids % t.num_embeddings).pow(2).sum() for t in group).backward()
+            for o in optimizers:
+                o.step()
+                o.zero_grad()
+    for t, a in zip(tables, alone):
+        assert torch.equal(t.weight, a.weight)
+    before = [t.weight.detach().clone() for t in tables]
+    state = [{k: v.clone() for k, v in opt.state[t.weight].items() if isinstance(v, torch.Tensor)} for t in tables]
+    for t in tables[:2]:
+        t(torch.tensor([1, 2])).sum().backward()
+    tables[2].weight.grad = torch.sparse_coo_tensor(torch.tensor([[3, 9]]), torch.ones(2, 3), (7, 3),
+                                                    check_invariants=False)
+    with pytest.raises(IndexError, match="table 2 of 3.*9"):
+        opt.step()
+    for t, b, s in zip(tables, before, state):
+        assert torch.equal(t.weight, b)
+        assert all(torch.equal(opt.state[t.weight][k], v) for k, v in s.items())
+
+
+@pytest.mark.parametrize("make", [lambda p: hostembed.SGD(p, lr=0.1), lambda p: hostembed.Adagrad(p, lr=0.1),
+                                  lambda p: hostembed.RowWiseAdagrad(p, lr=0.1)], ids=["sgd", "adagrad", "rowwise"])
 def test_checkpoint_round_trip_resumes_bit_identically(make, tmp_path):
     data = batches(300, 8, steps=6, batch=128)
     torch.manual_seed(0)

@@ -3068,6 +3068,79 @@ static void test_sparse_update_fused_many(void)
     group_end("sparse_update_fused_many");
 }
 
+/* he_sparse_update_many: SGD, Adagrad and row-wise Adagrad on three tables
+ * at once (side by side when small, one after another when big, indices
+ * repeated and unsorted in one), bitwise what one he_sparse_update a table
+ * gives; a table whose update fails its checks (an index out of range, a
+ * state of another shape) leaves every table as it was, and is named. */
+static void test_sparse_update_many(void)
+{
+    group_begin();
+    enum { T = 3 };
+    const int kinds[T] = {HE_OPTIM_SGD, HE_OPTIM_ADAGRAD, HE_OPTIM_ROWWISE_ADAGRAD};
+    for (int big = 0; big <= 1; big++) {
+        const int64_t rows[T] = {300, 50, big ? 20000 : 9}, dim[T] = {16, 64, big ? 96 : 5};
+        const int64_t nnz[T] = {40, 30, big ? 20000 : 12};
+        float *w[T], *st[T], *w_ref[T], *st_ref[T], *grad[T];
+        int64_t *idx[T];
+        he_sparse_update_job jobs[T];
+        for (int t = 0; t < T; t++) {
+            size_t n = (size_t)(rows[t] * dim[t]);
+            size_t ns = kinds[t] == HE_OPTIM_ROWWISE_ADAGRAD ? (size_t)rows[t] : n;
+            w[t] = xmalloc(n * sizeof(float));
+            st[t] = xmalloc(ns * sizeof(float));
+            fill_uniform(w[t], (int64_t)n, -1.0, 1.0);
+            fill_uniform(st[t], (int64_t)ns, 0.0, 1.0);
+            w_ref[t] = xdup(w[t], n * sizeof(float));
+            st_ref[t] = xdup(st[t], ns * sizeof(float));
+            idx[t] = xmalloc((size_t)nnz[t] * sizeof(int64_t));
+            grad[t] = xmalloc((size_t)(nnz[t] * dim[t]) * sizeof(float));
+            for (int64_t i = 0; i < nnz[t]; i++) /* table 1: repeats, unsorted; others ascending */
+                idx[t][i] = t == 1 ? (int64_t)rng_below((uint64_t)rows[t]) : i * rows[t] / nnz[t];
+            fill_uniform(grad[t], nnz[t] * dim[t], -1.0, 1.0);
+            he_optim_params hp = {kinds[t], 0.1, 0, 0, 1e-10, 0.01, 3, 0, 0.0, 0, 0};
+            int64_t sdim = kinds[t] == HE_OPTIM_ROWWISE_ADAGRAD ? 1 : dim[t];
+            jobs[t] = (he_sparse_update_job){
+                .hp = hp, .weight = he_table_contiguous(w[t], n * sizeof(float), rows[t], dim[t]),
+                .state = {he_table_contiguous(st[t], ns * sizeof(float), rows[t], sdim)},
+                .num_state = kinds[t] == HE_OPTIM_SGD ? 0 : 1, .indices = idx[t], .values = grad[t],
+                .values_dtype = HE_F32, .nnz = nnz[t]};
+        }
+        set_threads(3);
+        he_sparse_update_job bad[T];
+        memcpy(bad, jobs, sizeof bad);
+        int64_t kept = idx[2][nnz[2] - 1];
+        idx[2][nnz[2] - 1] = rows[2];
+        CHECK_ST(he_sparse_update_many(bad, T), HE_ERR_INDEX);
+        CHECK_MSG("table 2 of 3");
+        idx[2][nnz[2] - 1] = kept;
+        bad[1].state[0].num_rows -= 1;
+        CHECK_ST(he_sparse_update_many(bad, T), HE_ERR_VALUE);
+        CHECK_MSG("table 1 of 3");
+        for (int t = 0; t < T; t++)
+            CHECK(memcmp(w[t], w_ref[t], (size_t)(rows[t] * dim[t]) * sizeof(float)) == 0);
+        CHECK_ST(he_sparse_update_many(jobs, T), HE_OK);
+        for (int t = 0; t < T; t++) {
+            size_t n = (size_t)(rows[t] * dim[t]);
+            size_t ns = kinds[t] == HE_OPTIM_ROWWISE_ADAGRAD ? (size_t)rows[t] : n;
+            he_table wr = he_table_contiguous(w_ref[t], n * sizeof(float), rows[t], dim[t]);
+            he_table sr = he_table_contiguous(st_ref[t], ns * sizeof(float), rows[t], jobs[t].state[0].dim);
+            CHECK_ST(he_sparse_update(&jobs[t].hp, &wr, &sr, jobs[t].num_state, idx[t], grad[t], HE_F32, nnz[t]),
+                     HE_OK);
+            CHECKF(memcmp(w[t], w_ref[t], n * sizeof(float)) == 0 && memcmp(st[t], st_ref[t], ns * sizeof(float)) == 0,
+                   "table %d (big %d): the update of many differs from its own", t, big);
+            free(w[t]);
+            free(st[t]);
+            free(w_ref[t]);
+            free(st_ref[t]);
+            free(idx[t]);
+            free(grad[t]);
+        }
+    }
+    set_threads(2);
+    group_end("sparse_update_many");
+}
+
 int main(void)
 {
     test_status();
@@ -3083,6 +3156,7 @@ int main(void)
     test_grad_reduce_pooled();
     test_pool_bags();
     test_sparse_update_fused_many();
+    test_sparse_update_many();
     test_scratch();
     test_negative_shapes();
     test_table_bounds();

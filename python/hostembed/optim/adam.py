@@ -106,6 +106,10 @@ class _TableAdam(HostStep):
     def _host_update(self, p, table, group, indices, values):
         table_step(self, p, table, group, indices, values)
 
+    def _host_updates(self, host):
+        for p, table, group, (indices, values) in host:
+            self._host_update(p, table, group, indices, values)
+
 
 def _params_list(params):
     """(params as torch takes them, each group's iterable read once into a

@@ -157,9 +157,24 @@ class HostStep:
             finally:
                 for p, grad in hidden:
                     p.grad = grad
-        for p, table, group, (indices, values) in host:
-            self._host_update(p, table, group, indices, values)
+        if host:
+            self._host_updates(host)
         return loss
+
+    def _host_updates(self, host):
+        """Each (p, table, group, (indices, values)) of one step's host
+        tables updated: in one call of the core (small tables side by
+        side), every one checked before any is written."""
+        updates, records = [], []
+        for p, table, group, (indices, values) in host:
+            kind, state, hyper, record = self._host_args(p, table, group)
+            updates.append((kind, p, state, indices, values, hyper))
+            records.append((p, record))
+        update_ops.sparse_update_many(updates)
+        # Recorded once the core accepted the gradients.
+        for p, record in records:
+            if record:
+                self.state[p].update(record)
 
     def zero_grad(self, set_to_none=True):
         # torch's loop, with its record_function (~10 us a call), only when

@@ -59,21 +59,51 @@ def sum_repeated_rows(table, indices: Tensor, values: Tensor) -> tuple[Tensor, T
     return reduce_rows(indices, values, table.num_rows, -1, False)
 
 
-def update_rows(kind: int, table, state, indices: Tensor, values: Tensor, *, lr: float, step: int, maximize: bool,
-                beta1: float = 0.0, beta2: float = 0.0, eps: float = 0.0, lr_decay: float = 0.0,
-                weight_decay: float = 0.0) -> None:
+def update_rows(kind: int, table, state, indices: Tensor, values: Tensor, **hyper) -> None:
     """sparse_update of `table` (a HostTable) by the core, its arguments
     checked (or, from a row cache, split from checked ones); the caller
     holds table.lock."""
+    args = _update_args(kind, table, state, indices, values, **hyper)
+    table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
+    _C.sparse_update_many(updates=[args])
+    table.rows_changed(indices)
+
+
+def sparse_update_many(updates) -> None:
+    """sparse_update of each (kind, weight, state, indices, values, hyper)
+    of one optimizer step (one entry a table): the tables without a row
+    cache by one call of the core, every one checked before any of their
+    rows is written, small ones updated side by side on the core's
+    threads; then each cached table's update."""
+    prepared, cached = [], []
+    for kind, weight, state, indices, values, hyper in updates:
+        name = _OPTIMIZER_NAMES[kind]
+        table = host_table_of(weight, name)
+        if table.cache is not None:
+            cached.append((kind, weight, state, indices, values, hyper))
+            continue
+        indices, values = row_gradient(table, indices, values, "cpu", name)
+        prepared.append((table, indices, values, _update_args(kind, table, state, indices, values, **hyper)))
+    if prepared:
+        with holding({id(t): t for t, _, _, _ in prepared}.values()):
+            _C.sparse_update_many(updates=[args for _, _, _, args in prepared])
+            for table, indices, _, _ in prepared:
+                table.rows_changed(indices)
+    for kind, weight, state, indices, values, hyper in cached:
+        sparse_update(kind, weight, state, indices, values, **hyper)
+
+
+def _update_args(kind: int, table, state, indices: Tensor, values: Tensor, *, lr: float, step: int, maximize: bool,
+                 beta1: float = 0.0, beta2: float = 0.0, eps: float = 0.0, lr_decay: float = 0.0,
+                 weight_decay: float = 0.0) -> dict:
+    """The core's keywords for one table's update (sparse_update_many's)."""
     name = _OPTIMIZER_NAMES[kind]
     buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
-    table.wait_for_gpu_use()  # a GPU gather may still be reading rows this writes
-    _C.sparse_update(kind=kind, weight=table.buffer, state=buffers, num_rows=table.num_rows, dim=table.dim,
-                     indices=address(indices), values=address(values), nnz=indices.numel(), lr=lr,
-                     beta1=beta1, beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
-                     weight_decay=weight_decay, dtype=table.code, values_dtype=DTYPE_CODES[values.dtype],
-                     stochastic_rounding=table.stochastic_rounding, seed=table.seed)
-    table.rows_changed(indices)
+    return dict(kind=kind, weight=table.buffer, state=buffers, num_rows=table.num_rows, dim=table.dim,
+                indices=address(indices), values=address(values), nnz=indices.numel(), lr=lr, beta1=beta1,
+                beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize, weight_decay=weight_decay,
+                dtype=DTYPE_CODES[table.dtype], values_dtype=DTYPE_CODES[values.dtype],
+                stochastic_rounding=table.stochastic_rounding, seed=table.seed)
 
 
 @custom_op("hostembed::sparse_adam_", mutates_args=("weight", "exp_avg", "exp_avg_sq"))
