@@ -821,6 +821,33 @@ static void test_gather(void)
     }
     CHECK(memcmp(table, table_copy, (size_t)(num_rows * dim) * sizeof *table) == 0);
 
+    /* Rows of 64 floats, 16-byte aligned: small outputs stored normally,
+     * from HE_GATHER_STREAM_MIN_BYTES (8 MiB) on with streaming stores. */
+    {
+        const int64_t sdim = 64;
+        static const int64_t counts[] = {100, 40000};
+        float *stable = xmalloc((size_t)(num_rows * sdim) * sizeof *stable);
+        fill_uniform(stable, num_rows * sdim, -2.0, 2.0);
+        for (size_t c = 0; c < sizeof counts / sizeof *counts; c++) {
+            int64_t sn = counts[c];
+            batch sb = batch_new(sn);
+            for (int64_t i = 0; i < sn; i++)
+                sb.ids64[i] = rng_below((uint64_t)num_rows);
+            batch_finish(&sb);
+            float *sout = xmalloc((size_t)(sn * sdim) * sizeof *sout);
+            he_ids ids = batch_ids(&sb, 1);
+            set_threads(3);
+            CHECK_ST(gather(stable, num_rows, sdim, &ids, sout), HE_OK);
+            int same = 1;
+            for (int64_t i = 0; i < sn && same; i++)
+                same = memcmp(sout + i * sdim, stable + sb.ids64[i] * sdim, (size_t)sdim * sizeof *sout) == 0;
+            CHECKF(same, "%" PRId64 " rows of 64 floats", sn);
+            free(sout);
+            batch_free(&sb);
+        }
+        free(stable);
+    }
+
     /* Empty batch; zero-width rows. */
     {
         he_ids ids = {NULL, 0, 1};
