@@ -206,6 +206,22 @@ def reshard(rank, world, checkpoints, written_by):
             "step": int(state["step"])}
 
 
+def from_single_process(rank, world, plain, directory):
+    """Loads a single process's checkpoint (a plain table) into the ranks;
+    the rows and state as loaded, then two steps and a checkpoint a rank."""
+    model = _Tables()
+    opt = hostembed.SparseAdam(model.parameters(), lr=0.01)
+    hd.load_resharded([plain], model, opt)
+    state = opt.state[model.emb.shard.weight]
+    loaded = {"range": model.emb.row_range, "weight": model.emb.shard.weight.detach().clone(),
+              "exp_avg": state["exp_avg"].clone(), "exp_avg_sq": state["exp_avg_sq"].clone(),
+              "step": int(state["step"])}
+    _train_steps(model, opt, range(3, 5), rank, world)
+    hostembed.save(os.path.join(directory, f"rank{rank}.pt"), model, opt)
+    return {"loaded": loaded, "weight": model.emb.shard.weight.detach().clone(),
+            "exp_avg": opt.state[model.emb.shard.weight]["exp_avg"].clone()}
+
+
 def load_foreign(rank, world, directory):
     model = _Tables()
     before = model.emb.shard.weight.detach().clone()
@@ -302,7 +318,8 @@ JOBS = {"train": train, "out_of_range": out_of_range, "mismatched": mismatched, 
         "reshard": reshard, "load_foreign": load_foreign, "rank_dies": rank_dies,
         "train_shared": train_shared, "shared_refusals": shared_refusals, "train_bags": train_bags,
         "train_host_sharded": train_host_sharded, "uneven_hosts": uneven_hosts,
-        "shared_memory": shared_memory}
+        "shared_memory": shared_memory,
+        "from_single_process": from_single_process}
 
 
 def worker(rank, world, outdir, job, args):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import hostembed
-from distributed_workers import OPTIMIZERS, STEPS, bags, batch, initial_table, worker
+from distributed_workers import OPTIMIZERS, STEPS, _train_steps, bags, batch, initial_table, worker
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -208,6 +208,41 @@ def test_checkpoints_of_two_ranks_load_into_two_one_and_three(tmp_path):
         for key in ("weight", "exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(_whole(runs[name], key), _whole(saved, key), rtol=1e-5, atol=1e-6)
     assert not torch.equal(_whole(saved, "weight"), initial_table())
+
+
+def test_a_single_process_checkpoint_loads_into_ranks_and_theirs_back_into_one(tmp_path):
+    """A single process's model (a plain hostembed.Embedding where the
+    ranks have a ShardedEmbedding) trains 3 steps and saves; 2 ranks load
+    it (each its rows and their state, bit for bit), train 2 more steps and
+    save a file each; those files load back into a single process's plain
+    model, bit for bit."""
+    import hostembed.distributed as hd
+
+    def plain_model():
+        model = torch.nn.Module()
+        model.emb = hostembed.Embedding.from_pretrained(initial_table(), freeze=False)
+        return model, hostembed.SparseAdam(model.parameters(), lr=0.01)
+
+    model, opt = plain_model()
+    _train_steps(model, opt, range(3), 0, 1)
+    hostembed.save(tmp_path / "plain.pt", model, opt)
+    (tmp_path / "ranks").mkdir()
+    (tmp_path / "run").mkdir()
+    results = run_ranks(2, "from_single_process", tmp_path / "run", str(tmp_path / "plain.pt"),
+                        str(tmp_path / "ranks"))
+    state = opt.state[model.emb.weight]
+    for r in results:
+        start, end = r["loaded"]["range"]
+        assert torch.equal(r["loaded"]["weight"], model.emb.weight.detach()[start:end])
+        assert torch.equal(r["loaded"]["exp_avg"], state["exp_avg"][start:end])
+        assert torch.equal(r["loaded"]["exp_avg_sq"], state["exp_avg_sq"][start:end])
+        assert r["loaded"]["step"] == int(state["step"]) == 3
+    back, back_opt = plain_model()
+    hd.load_resharded([tmp_path / "ranks" / f"rank{r}.pt" for r in range(2)], back, back_opt)
+    assert torch.equal(back.emb.weight.detach(), torch.cat([r["weight"] for r in results]))
+    assert torch.equal(back_opt.state[back.emb.weight]["exp_avg"], torch.cat([r["exp_avg"] for r in results]))
+    assert int(back_opt.state[back.emb.weight]["step"]) == 5
+    assert not torch.equal(back.emb.weight.detach(), model.emb.weight.detach())  # the ranks' two steps are in
 
 
 def test_checkpoints_of_another_table_are_refused(tmp_path):

@@ -13,42 +13,48 @@ def load_resharded(paths, model, optimizer=None):
     """Restores into `model` (and `optimizer`, one optimizer) the
     checkpoints that `len(paths)` ranks wrote with
     ``hostembed.save(path, model, optimizer)``, given in rank order, whatever
-    the number of ranks now: each ShardedEmbedding or ShardedEmbeddingBag takes the rows of its
-    range (and their optimizer state) from the files that hold them;
-    everything else comes from the first file. With as many files as
-    ranks, it is ``hostembed.load(paths[rank], model, optimizer)``.
+    the number of ranks now: each ShardedEmbedding or ShardedEmbeddingBag
+    takes the rows of its range (and their optimizer state) from the files
+    that hold them; everything else comes from the first file. With as many
+    files as ranks, it is ``hostembed.load(paths[rank], model, optimizer)``.
+
+    Across the single-process boundary, both ways: one file written by a
+    single process whose model has a plain table (``hostembed.Embedding``
+    or ``EmbeddingBag``, or torch's) where this model has a sharded one
+    (``emb.weight`` for ``emb.shard.weight``) loads into the ranks; and the
+    files of a sharded model load into a single process's model (no
+    torch.distributed needed) whose table at the same place is a plain
+    one, which gets every row. The models must otherwise be the same (the
+    optimizer's parameters in the same order).
 
     The optimizer must be one hostembed or torch optimizer (not a list).
     Raises ValueError when the files do not hold a sharded table's rows as
     `len(paths)` ranks would have, before anything changes."""
     paths = [str(p) for p in paths]
-    tables = [(name, m) for name, m in model.named_modules() if isinstance(m, _RowSharded)]
-    if not tables:
-        raise ValueError(f"{WHO}: load_resharded needs a model with ShardedEmbedding or ShardedEmbeddingBag tables")
-    shared = [name for name, m in tables if m._whole_group is not None]
+    sharded = [(name, m) for name, m in model.named_modules() if isinstance(m, _RowSharded)]
+    shared = [name for name, m in sharded if m._whole_group is not None]
     if shared:
         raise ValueError(f"{WHO}: load_resharded does not take tables made with share_within_host=True "
                          f"({', '.join(repr(n) for n in shared)}): their ranks share one copy of a host's rows")
-    world = tables[0][1].world_size
-    if len(paths) == world:
-        return load_checkpoint(paths[tables[0][1].rank], model, optimizer)
+    if sharded and len(paths) == sharded[0][1].world_size:
+        return load_checkpoint(paths[sharded[0][1].rank], model, optimizer)
     files = [torch.load(p, map_location="cpu", mmap=True, weights_only=False) for p in paths]
+    slots = _slots(model, sharded, files[0]["model"], len(paths))
     state = dict(files[0]["model"])
     opt_state = None if optimizer is None else _empty_like_saved(files[0].get("optimizer"), paths[0])
     index = _param_indices(optimizer) if optimizer is not None else {}
-    for name, table in tables:
-        key = f"{name}.shard.weight" if name else "shard.weight"
-        old = [table.num_embeddings * r // len(paths) for r in range(len(paths) + 1)]
+    for source, target, rows, dim, (start, end), param in slots:
+        old = [rows * r // len(paths) for r in range(len(paths) + 1)]
         for k, f in enumerate(files):
-            rows = f["model"].get(key)
-            if rows is None or tuple(rows.shape) != (old[k + 1] - old[k], table.embedding_dim):
-                raise ValueError(f"{WHO}: {paths[k]} does not hold rows [{old[k]}, {old[k + 1]}) of {key!r} "
-                                 f"(got {None if rows is None else list(rows.shape)}): give the {len(paths)} "
+            part = f["model"].get(source)
+            if part is None or tuple(part.shape) != (old[k + 1] - old[k], dim):
+                raise ValueError(f"{WHO}: {paths[k]} does not hold rows [{old[k]}, {old[k + 1]}) of {source!r} "
+                                 f"(got {None if part is None else list(part.shape)}): give the {len(paths)} "
                                  "ranks' checkpoints in rank order")
-        start, end = table.row_range
-        state[key] = _rows(start, end, old, [f["model"][key] for f in files])
+        state.pop(source, None)
+        state[target] = _rows(start, end, old, [f["model"][source] for f in files])
         if optimizer is not None:
-            i = index[table.shard.weight]
+            i = index[param]
             saved = [f["optimizer"]["state"].get(i, {}) for f in files]
             opt_state["state"][i] = {name_: (_rows(start, end, old, [s[name_] for s in saved])
                                              if _per_row(value, old[1] - old[0]) else value)
@@ -57,6 +63,37 @@ def load_resharded(paths, model, optimizer=None):
     if optimizer is not None:
         optimizer.load_state_dict(opt_state)
     return files[0].get("extra")
+
+
+def _slots(model, sharded, saved, files):
+    """(key in the files, key in the model, the table's rows and dim, the
+    rows this process takes, its parameter) of each table to put together
+    from the files: the model's sharded tables, from their shards (or, from
+    one file, a single process's whole table at the same place); without
+    any, the files' shards into the model's plain tables."""
+    if sharded:
+        slots = []
+        for name, table in sharded:
+            prefix = f"{name}." if name else ""
+            source = f"{prefix}shard.weight"
+            if source not in saved and files == 1 and f"{prefix}weight" in saved:
+                source = f"{prefix}weight"  # a single process's plain table
+            slots.append((source, f"{prefix}shard.weight", table.num_embeddings, table.embedding_dim,
+                          table.row_range, table._shard_weight()))
+        return slots
+    slots = []
+    for key in saved:
+        if not key.endswith("shard.weight"):
+            continue
+        prefix = key[:-len("shard.weight")]
+        param = dict(model.named_parameters()).get(f"{prefix}weight")
+        if param is None or param.dim() != 2:
+            continue
+        slots.append((key, f"{prefix}weight", param.shape[0], param.shape[1], (0, param.shape[0]), param))
+    if not slots:
+        raise ValueError(f"{WHO}: load_resharded needs a model with ShardedEmbedding or ShardedEmbeddingBag tables, "
+                         "or files of sharded tables for a model with plain tables at the same places")
+    return slots
 
 
 def _rows(start, end, old, parts):
