@@ -42,11 +42,6 @@ class _RowSharded(nn.Module):
             host_group, group, rank, world = _host_groups(group, hosts, self._who)
             bounds = [int(num_embeddings) * h // world for h in range(world + 1)]
         self.process_group, self.rank, self.world_size = group, rank, world
-        # The ranks of the exchange group as the user numbers them (the
-        # process group's own ranks), for messages.
-        whole = self._whole_group if share_within_host else group
-        self._rank_names = ([_group_rank(whole, dist.get_global_rank(group, r)) for r in range(world)]
-                            if share_within_host else list(range(world)))
         self._bounds = torch.tensor(bounds, dtype=torch.int64)
         start, end = bounds[rank], bounds[rank + 1]
         self.row_range = (start, end)
@@ -95,8 +90,8 @@ class _RowSharded(nn.Module):
         got = torch.empty_like(out)
         dist.all_to_all_single(got, out, group=self.process_group)
         for r, (_, bad_id, position) in enumerate(got.tolist()):
-            if position >= 0:
-                self._raise_out_of_range(bad_id, position, self._rank_names[r])
+            if position >= 0:  # (with share_within_host, _range_check_everywhere raised first)
+                self._raise_out_of_range(bad_id, position, r)
         return got[:, 0].tolist()
 
     def _range_check_everywhere(self, first_bad):
@@ -118,10 +113,6 @@ class _RowSharded(nn.Module):
         start, end = self.row_range
         return (f"{self.num_embeddings}, {self.embedding_dim}, rank {self.rank} of {self.world_size} holds rows "
                 f"[{start}, {end})")
-
-
-def _group_rank(group, global_rank):
-    return dist.get_group_rank(group, global_rank) if group is not dist.group.WORLD else global_rank
 
 
 def _host_groups(group, hosts, who):
