@@ -250,6 +250,30 @@ static int heb_optim_tables(const heb_buffer *weight, PyObject *state, long long
     return 0;
 }
 
+/* Parses each dict of `list` (one table's keywords each) with
+ * parse(args, kwds, i, ctx), args an empty tuple; 0 with an exception set. */
+typedef int (*heb_dict_parser)(PyObject *args, PyObject *kwds, Py_ssize_t i, void *ctx);
+
+static int heb_parse_dicts(PyObject *list, const char *what, heb_dict_parser parse, void *ctx)
+{
+    PyObject *empty = PyTuple_New(0);
+    if (!empty)
+        return 0;
+    int ok = 1;
+    for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(list); i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        if (!PyDict_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "updates[%zd] must be a dict of %s's keywords, got %.100s", i, what,
+                         Py_TYPE(item)->tp_name);
+            ok = 0;
+        } else {
+            ok = parse(empty, item, i, ctx);
+        }
+    }
+    Py_DECREF(empty);
+    return ok;
+}
+
 /* One table's update, its keyword arguments (a dict of heb_sparse_update_many's
  * list), into out; 0 with an exception set. */
 static int heb_parse_update(PyObject *args, PyObject *kwds, he_sparse_update_job *out)
@@ -285,6 +309,11 @@ static int heb_parse_update(PyObject *args, PyObject *kwds, he_sparse_update_job
     return 1;
 }
 
+static int heb_parse_update_item(PyObject *args, PyObject *kwds, Py_ssize_t i, void *ctx)
+{
+    return heb_parse_update(args, kwds, &((he_sparse_update_job *)ctx)[i]);
+}
+
 /* The updates of one or several tables in one call (a list of dicts, each
  * one table's keywords: heb_parse_update), he_sparse_update_many. */
 static PyObject *heb_sparse_update_many(PyObject *mod, PyObject *args, PyObject *kwds)
@@ -296,33 +325,17 @@ static PyObject *heb_sparse_update_many(PyObject *mod, PyObject *args, PyObject 
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(list);
     he_sparse_update_job *jobs = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *jobs);
-    PyObject *empty = PyTuple_New(0);
+    if (!jobs)
+        return PyErr_NoMemory();
     PyObject *result = NULL;
-    if (!jobs || !empty) {
-        PyErr_NoMemory();
-        goto done;
+    if (heb_parse_dicts(list, "an update", heb_parse_update_item, jobs)) {
+        he_status st;
+        /* The list (and the buffers its dicts hold) stays alive: our caller holds it. */
+        Py_BEGIN_ALLOW_THREADS
+        st = he_sparse_update_many(jobs, n);
+        Py_END_ALLOW_THREADS
+        result = st != HE_OK ? heb_raise_status(st) : Py_NewRef(Py_None);
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(list, i);
-        if (!PyDict_Check(item)) {
-            PyErr_Format(PyExc_TypeError, "updates[%zd] must be a dict of an update's keywords, got %.100s", i,
-                         Py_TYPE(item)->tp_name);
-            goto done;
-        }
-        if (!heb_parse_update(empty, item, &jobs[i]))
-            goto done;
-    }
-    he_status st;
-    /* The list (and the buffers its dicts hold) stays alive: our caller holds it. */
-    Py_BEGIN_ALLOW_THREADS
-    st = he_sparse_update_many(jobs, n);
-    Py_END_ALLOW_THREADS
-    if (st != HE_OK)
-        heb_raise_status(st);
-    else
-        result = Py_NewRef(Py_None);
-done:
-    Py_XDECREF(empty);
     PyMem_Free(jobs);
     return result;
 }
@@ -387,6 +400,24 @@ static int heb_parse_fused(PyObject *args, PyObject *kwds, he_fused_update *out,
     return 1;
 }
 
+typedef struct heb_fused_items {
+    he_fused_update *updates;
+    he_bag_batch *bags;
+} heb_fused_items;
+
+static int heb_parse_fused_item(PyObject *args, PyObject *kwds, Py_ssize_t i, void *ctx)
+{
+    const heb_fused_items *items = ctx;
+    he_fused_update *u = &items->updates[i];
+    if (!heb_parse_fused(args, kwds, u, &items->bags[i]))
+        return 0;
+    if (!u->d && !u->bags && u->ids.count && !u->ids.data) {
+        PyErr_Format(PyExc_ValueError, "updates[%zd]: no dedup, bags or ids", i);
+        return 0;
+    }
+    return 1;
+}
+
 /* The fused backward of one or several tables in one call (a list of
  * dicts, each one table's keywords: heb_parse_fused): grad_reduce of each
  * batch's sort straight into the optimizer's row update,
@@ -399,42 +430,22 @@ static PyObject *heb_sparse_update_fused_many(PyObject *mod, PyObject *args, PyO
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!:sparse_update_fused_many", kwlist, &PyList_Type, &list))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(list);
-    he_fused_update *updates = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *updates);
-    he_bag_batch *bags = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *bags);
-    PyObject *empty = PyTuple_New(0);
+    heb_fused_items items = {PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(he_fused_update)),
+                             PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(he_bag_batch))};
     PyObject *result = NULL;
-    if (!updates || !bags || !empty) {
+    if (!items.updates || !items.bags) {
         PyErr_NoMemory();
-        goto done;
+    } else if (heb_parse_dicts(list, "a fused update", heb_parse_fused_item, &items)) {
+        he_status st;
+        /* The list (and the Dedups and buffers its dicts hold) stays alive:
+         * our caller holds it. */
+        Py_BEGIN_ALLOW_THREADS
+        st = he_sparse_update_fused_many(items.updates, n);
+        Py_END_ALLOW_THREADS
+        result = st != HE_OK ? heb_raise_status(st) : Py_NewRef(Py_None);
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(list, i);
-        if (!PyDict_Check(item)) {
-            PyErr_Format(PyExc_TypeError, "updates[%zd] must be a dict of a fused update's keywords, got %.100s",
-                         i, Py_TYPE(item)->tp_name);
-            goto done;
-        }
-        if (!heb_parse_fused(empty, item, &updates[i], &bags[i]))
-            goto done;
-        if (!updates[i].d && !updates[i].bags && updates[i].ids.count && !updates[i].ids.data) {
-            PyErr_Format(PyExc_ValueError, "updates[%zd]: no dedup, bags or ids", i);
-            goto done;
-        }
-    }
-    he_status st;
-    /* The list (and the Dedups and buffers its dicts hold) stays alive: our
-     * caller holds it. */
-    Py_BEGIN_ALLOW_THREADS
-    st = he_sparse_update_fused_many(updates, n);
-    Py_END_ALLOW_THREADS
-    if (st != HE_OK)
-        heb_raise_status(st);
-    else
-        result = Py_NewRef(Py_None);
-done:
-    Py_XDECREF(empty);
-    PyMem_Free(updates);
-    PyMem_Free(bags);
+    PyMem_Free(items.updates);
+    PyMem_Free(items.bags);
     return result;
 }
 
