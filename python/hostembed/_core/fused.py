@@ -51,8 +51,8 @@ class CpuGradient:
     """A CPU lookup's output gradient, as its backward hands it over. For
     bags, grad has a row per bag and `bags` is the lookup's
     _core.ops.bags.BagBatch: the core finds each position's bag and factor
-    from it in the fused update (bags_pooling makes them where Python needs
-    them)."""
+    from it in the fused update (_core.ops.bags.positions makes them where
+    Python needs them)."""
 
     __slots__ = ("ids", "grad", "padding_idx", "scale_grad_by_freq", "dedup", "bags")
 

@@ -93,17 +93,22 @@ def sparse_update_many(updates) -> None:
         sparse_update(kind, weight, state, indices, values, **hyper)
 
 
-def _update_args(kind: int, table, state, indices: Tensor, values: Tensor, *, lr: float, step: int, maximize: bool,
-                 beta1: float = 0.0, beta2: float = 0.0, eps: float = 0.0, lr_decay: float = 0.0,
-                 weight_decay: float = 0.0) -> dict:
+def _update_args(kind: int, table, state, indices: Tensor, values: Tensor, **hyper) -> dict:
     """The core's keywords for one table's update (sparse_update_many's)."""
+    return dict(_table_args(kind, table, state, **hyper), indices=address(indices), values=address(values),
+                nnz=indices.numel(), values_dtype=DTYPE_CODES[values.dtype])
+
+
+def _table_args(kind: int, table, state, **hyper) -> dict:
+    """The core's keywords for optimizer `kind`'s update of `table` that do
+    not depend on the gradient: the table, its state's buffers (each
+    checked to be one of the table's), the hyperparameters (TypeError for
+    any other), the dtype and rounding."""
     name = _OPTIMIZER_NAMES[kind]
     buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
     return dict(kind=kind, weight=table.buffer, state=buffers, num_rows=table.num_rows, dim=table.dim,
-                indices=address(indices), values=address(values), nnz=indices.numel(), lr=lr, beta1=beta1,
-                beta2=beta2, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize, weight_decay=weight_decay,
-                dtype=DTYPE_CODES[table.dtype], values_dtype=DTYPE_CODES[values.dtype],
-                stochastic_rounding=table.stochastic_rounding, seed=table.seed)
+                dtype=DTYPE_CODES[table.dtype], stochastic_rounding=table.stochastic_rounding, seed=table.seed,
+                **_hyperparameters(**hyper))
 
 
 @custom_op("hostembed::sparse_adam_", mutates_args=("weight", "exp_avg", "exp_avg_sq"))
@@ -196,7 +201,6 @@ def sparse_update_fused_many(updates) -> None:
             indices, values = reduce_to_host(table, gradient)
             sparse_update(kind, weight, state, indices, values, **hyper)
             continue
-        buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
         grad = gradient.grad
         dtype = table.gradient_dtype(grad.dtype)
         if gradient.bags is None:
@@ -212,12 +216,9 @@ def sparse_update_fused_many(updates) -> None:
             if rows.dim() != 2 or rows.shape[1] != table.dim:
                 rows = rows.reshape(-1, table.dim)
             args = {"bags": gradient.bags.args + (0,), "bag_of": 0, "row_weights": 0, "num_bags": rows.shape[0]}
-        args.update(_hyperparameters(**hyper))
+        args.update(_table_args(kind, table, state, **hyper))
         args.update(dedup=gradient.dedup, grad=address(rows), padding_idx=gradient.padding_idx,
-                    scale_grad_by_freq=gradient.scale_grad_by_freq, kind=kind, weight=table.buffer, state=buffers,
-                    num_rows=table.num_rows, dim=table.dim, dtype=DTYPE_CODES[table.dtype],
-                    grad_dtype=DTYPE_CODES[rows.dtype], stochastic_rounding=table.stochastic_rounding,
-                    seed=table.seed)
+                    scale_grad_by_freq=gradient.scale_grad_by_freq, grad_dtype=DTYPE_CODES[rows.dtype])
         prepared.append((table, ids, args, (rows, gradient)))
     if not prepared:
         return
