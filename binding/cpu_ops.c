@@ -13,6 +13,7 @@
 #include "ids.h"
 #include "renorm.h"
 #include "optimizers.h"
+#include "pool_bags.h"
 #include "sparse_update.h"
 
 static he_ids heb_make_ids(const void *data, long long count, int is_int64)
@@ -167,8 +168,9 @@ static PyObject *heb_grad_reduce(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
     static char *kwlist[] = {"dedup", "grad", "dim", "padding_idx", "scale_grad_by_freq", "values", "indices",
-                             "bag_of", "row_weights", "num_bags", "dtype", "round_sums", NULL};
+                             "bag_of", "row_weights", "num_bags", "dtype", "round_sums", "bags", NULL};
     heb_dedup *dedup;
+    PyObject *bag_batch = Py_None;
     HEB_ADDRESS(grad);
     HEB_ADDRESS(values);
     HEB_ADDRESS(indices);
@@ -176,18 +178,32 @@ static PyObject *heb_grad_reduce(PyObject *mod, PyObject *args, PyObject *kwds)
     HEB_ADDRESS(row_weights);
     long long dim, padding_idx, num_bags;
     int scale, dtype, round_sums;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LLpO&O&O&O&Lip:grad_reduce", kwlist, &heb_dedup_type,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O&LLpO&O&O&O&LipO:grad_reduce", kwlist, &heb_dedup_type,
                                      &dedup, heb_address_converter, &grad, &dim, &padding_idx, &scale,
                                      heb_address_converter, &values, heb_address_converter, &indices,
                                      heb_address_converter, &bag_of, heb_address_converter, &row_weights, &num_bags,
-                                     &dtype, &round_sums))
+                                     &dtype, &round_sums, &bag_batch))
         return NULL;
     he_reduce_opts opts = {padding_idx, scale, bag_of.ptr, row_weights.ptr, num_bags, dtype, round_sums};
+    he_bag_batch bags;
+    if (bag_batch != Py_None) {
+        if (heb_parse_bag_batch(bag_batch, &bags) < 0)
+            return NULL;
+        if (bag_of.ptr || row_weights.ptr || dim != bags.table.dim || dtype != bags.table.dtype) {
+            PyErr_Format(PyExc_ValueError, "grad_reduce with bags makes bag_of and row_weights itself (got them "
+                         "too) and takes the bags' table's dim %lld and dtype %d (got %lld, %d)",
+                         (long long)bags.table.dim, bags.table.dtype, dim, dtype);
+            return NULL;
+        }
+    }
     int64_t written = 0;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_grad_reduce(dedup->d, grad.ptr, dim, &opts, values.ptr, (int64_t *)indices.ptr,
-                        &written);
+    if (bag_batch != Py_None)
+        st = he_bag_grad_reduce(dedup->d, &bags, grad.ptr, num_bags, &opts, values.ptr, (int64_t *)indices.ptr,
+                                &written);
+    else
+        st = he_grad_reduce(dedup->d, grad.ptr, dim, &opts, values.ptr, (int64_t *)indices.ptr, &written);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -516,11 +532,13 @@ static PyMethodDef heb_cpu_methods[] = {
      "fit it); IndexError (out may be written, the table never) for an id outside [0, num_rows)"},
     {"grad_reduce", HEB_KW_FUNC(heb_grad_reduce), METH_VARARGS | METH_KEYWORDS,
      "grad_reduce($module, /, *, dedup, grad, dim, padding_idx, scale_grad_by_freq, values, indices, bag_of, "
-     "row_weights, num_bags, dtype, round_sums)\n--\n\n"
+     "row_weights, num_bags, dtype, round_sums, bags)\n--\n\n"
      "Sums the grad rows of each unique id of dedup into values/indices (ascending ids, padding_idx "
      "left out) -> rows written. bag_of (0: none): position p's row is grad[bag_of[p]] ([num_bags, dim] "
      "grad), times row_weights[p] (0: none); grad of he_dtype `dtype`, row_weights and values of its compute "
-     "type (float64 for float64, else float32), or with round_sums, values rounded to a half `dtype`"},
+     "type (float64 for float64, else float32), or with round_sums, values rounded to a half `dtype`. bags (a "
+     "bag batch tuple, its out 0): each position's bag and factor made from it, bag_of and row_weights 0, "
+     "num_bags the grad's rows"},
     {"renorm", HEB_KW_FUNC(heb_renorm), METH_VARARGS | METH_KEYWORDS,
      "renorm($module, /, *, table, num_rows, dim, dtype, dedup, max_norm, norm_type)\n--\n\n"
      "max_norm in place on the unique rows of dedup (a Dedup built for num_rows) of the table's HostBuffer"},

@@ -166,3 +166,45 @@ he_status he_bag_positions(const he_bag_batch *b, int64_t *bag_of, void *weights
     *wrote = factors;
     return HE_OK;
 }
+
+he_status he_bag_reduce_inputs(const he_bag_batch *b, int64_t sorted_count, int64_t grad_rows, he_temp *positions,
+                               he_reduce_opts *opts)
+{
+    int64_t count = b->ids.count;
+    if (sorted_count != count)
+        return he_fail(HE_ERR_VALUE, "a sort of %" PRId64 " ids for a bag batch of %" PRId64, sorted_count, count);
+    /* Every position reads a gradient row: its bag's, or row 0 (factor 0)
+     * for a position in no bag. */
+    if (grad_rows < b->num_bags || (count > 0 && grad_rows < 1))
+        return he_fail(HE_ERR_VALUE, "a gradient of %" PRId64 " rows for %" PRId64 " bags of %" PRId64 " ids",
+                       grad_rows, b->num_bags, count);
+    size_t n = (size_t)(count > 0 ? count : 1);
+    size_t factor = he_dtype_size(he_compute_dtype(b->table.dtype));
+    he_status st = he_temp_alloc(positions, n * (sizeof(int64_t) + factor));
+    if (st != HE_OK)
+        return st;
+    int64_t *bag_of = positions->ptr;
+    void *weights = bag_of + n;
+    int wrote = 0;
+    if ((st = he_bag_positions(b, bag_of, weights, &wrote)) != HE_OK)
+        return st;
+    opts->bag_of = bag_of;
+    opts->row_weights = wrote ? weights : NULL;
+    opts->num_bags = grad_rows;
+    return HE_OK;
+}
+
+he_status he_bag_grad_reduce(const he_dedup *d, const he_bag_batch *b, const void *grad, int64_t grad_rows,
+                             const he_reduce_opts *opts, void *out_values, int64_t *out_indices, int64_t *out_count)
+{
+    he_temp positions = {NULL, 0};
+    he_reduce_opts with_bags = *opts;
+    he_status st = d->num_rows == b->table.num_rows
+                       ? he_bag_reduce_inputs(b, d->count, grad_rows, &positions, &with_bags)
+                       : he_fail(HE_ERR_VALUE, "a sort of ids of a %" PRId64 "-row table for a %" PRId64
+                                 "-row one", d->num_rows, b->table.num_rows);
+    if (st == HE_OK)
+        st = he_grad_reduce(d, grad, b->table.dim, &with_bags, out_values, out_indices, out_count);
+    he_temp_free(&positions);
+    return st;
+}

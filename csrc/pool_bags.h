@@ -7,6 +7,8 @@
 
 #include <stdint.h>
 
+#include "grad_reduce.h"
+#include "host_memory.h"
 #include "ids.h"
 #include "table.h"
 
@@ -43,5 +45,19 @@ he_status he_pool_bags(const he_bag_batch *batches, int64_t count, int64_t *bad_
  * the bag's counted size for a mean (*wrote = 1). HE_ERR_VALUE for offsets
  * he_pool_bags would refuse, before anything is written; ids unchecked. */
 he_status he_bag_positions(const he_bag_batch *batch, int64_t *bag_of, void *weights, int *wrote);
+
+/* What a reduce of this batch's gradient needs (grad_reduce.h): each
+ * position's bag and factor made into *positions (a he_temp the caller
+ * frees) and set in opts (bag_of, row_weights, num_bags = grad_rows).
+ * HE_ERR_VALUE, nothing set, for a sort of another number of ids
+ * (sorted_count), a gradient of fewer rows than bags (or none for a batch
+ * with ids), or offsets he_bag_positions refuses. */
+he_status he_bag_reduce_inputs(const he_bag_batch *batch, int64_t sorted_count, int64_t grad_rows,
+                               he_temp *positions, he_reduce_opts *opts);
+
+/* he_grad_reduce of a bag batch's gradient (grad: grad_rows rows, one a
+ * bag), d the sort of its ids, opts' bag fields made here. */
+he_status he_bag_grad_reduce(const he_dedup *d, const he_bag_batch *batch, const void *grad, int64_t grad_rows,
+                             const he_reduce_opts *opts, void *out_values, int64_t *out_indices, int64_t *out_count);
 
 #endif

@@ -379,30 +379,10 @@ static he_status make_inputs_of(he_fused_update *f, he_dedup **dedup, he_temp *p
     }
     if (!b)
         return HE_OK;
-    if (ids.count != f->d->count)
-        return he_fail(HE_ERR_VALUE, "a sort of %" PRId64 " ids for a bag batch of %" PRId64, f->d->count,
-                       ids.count);
     if (b->table.num_rows != f->weight.num_rows || b->table.dim != f->weight.dim || b->table.dtype != f->weight.dtype)
         return he_fail(HE_ERR_VALUE, "a bag batch of a [%" PRId64 ", %" PRId64 "] table for a [%" PRId64 ", %" PRId64
                        "] one", b->table.num_rows, b->table.dim, f->weight.num_rows, f->weight.dim);
-    /* Every position reads a gradient row: its bag's, or row 0 (factor 0)
-     * for a position in no bag. */
-    if (f->grad_rows < b->num_bags || (ids.count > 0 && f->grad_rows < 1))
-        return he_fail(HE_ERR_VALUE, "a gradient of %" PRId64 " rows for %" PRId64 " bags of %" PRId64 " ids",
-                       f->grad_rows, b->num_bags, ids.count);
-    size_t n = (size_t)(ids.count > 0 ? ids.count : 1);
-    size_t factor = he_dtype_size(he_compute_dtype(f->weight.dtype));
-    if ((st = he_temp_alloc(positions, n * (sizeof(int64_t) + factor))) != HE_OK)
-        return st;
-    int64_t *bag_of = positions->ptr;
-    void *weights = bag_of + n;
-    int wrote = 0;
-    if ((st = he_bag_positions(b, bag_of, weights, &wrote)) != HE_OK)
-        return st;
-    f->opts.bag_of = bag_of;
-    f->opts.row_weights = wrote ? weights : NULL;
-    f->opts.num_bags = f->grad_rows;
-    return HE_OK;
+    return he_bag_reduce_inputs(b, f->d->count, f->grad_rows, positions, &f->opts);
 }
 
 static void make_inputs(void *ctx, int64_t begin, int64_t end)

@@ -300,3 +300,13 @@ def test_a_dropped_module_leaves_no_table_behind():
     fresh = [torch.nn.Parameter(torch.zeros(100, 4)) for _ in range(200)]
     assert all(tables.table_of(p) is None for p in fresh)
     assert dead_id not in tables._tables._entries
+
+
+def test_a_functorch_transform_gets_torchs_own_refusal():
+    """Lookups call their autograd Function without torch's Python wrapper
+    only when no functorch transform is active; under one they go through
+    torch's apply, which names what such a Function needs."""
+    emb = hostembed.Embedding(10, 4)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.vmap(emb)(torch.tensor([[1, 2], [3, 4]]))
+    assert emb(torch.tensor([1, 2])).shape == (2, 4)  # and the fast path after it

@@ -375,3 +375,26 @@ def test_ids_after_the_last_offset_belong_to_no_bag(mode, padding_idx):
     out.backward(grad_out)
     ref(ids[:4], offsets).backward(grad_out)
     assert torch.equal(ours.weight.grad.to_dense(), ref.weight.grad)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("how", ["no_grad", "inference_mode", "frozen"])
+def test_bags_without_autograd_match_torch(mode, how):
+    """Where no gradient can flow the pooling skips autograd's Function;
+    outputs stay torch's bit for bit, with no graph behind them, and a
+    frozen table's per_sample_weights still get their gradient."""
+    ref, ours = bag_pair(mode, padding_idx=3)
+    ids, offsets, weights = batch("offsets", torch.int64, 3, mode == "sum")
+    if how == "frozen":
+        ref.weight.requires_grad_(False)
+        ours.weight.requires_grad_(False)
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(how, torch.enable_grad)
+    with context():
+        expected, got = ref(ids, offsets, weights), ours(ids, offsets, weights)
+    assert torch.equal(got, expected) and got.grad_fn is None
+    if how == "frozen" and weights is not None:
+        w_ref, w_ours = weights.clone().requires_grad_(), weights.clone().requires_grad_()
+        ref(ids, offsets, w_ref).sum().backward()
+        ours(ids, offsets, w_ours).sum().backward()
+        torch.testing.assert_close(w_ours.grad, w_ref.grad)
+        assert ours.weight.grad is None

@@ -249,3 +249,14 @@ def test_compiles_fullgraph_and_matches_eager():
     sum(o.sum() for o in got).backward()
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a.weight.grad.to_dense(), b.weight.grad.to_dense())
+
+
+def test_under_no_grad_outputs_are_torchs_with_no_graph():
+    ours, ref = tables(), tables(nn.EmbeddingBag)
+    inputs, offsets, weights = batch(3)
+    with torch.no_grad():
+        outs = hostembed.EmbeddingBagCollection(ours)(inputs, offsets, weights)
+        expected = [t(i, o, per_sample_weights=w) for t, i, o, w in
+                    zip(ref, for_torch(inputs), offsets, for_torch(weights))]
+    for got, want in zip(outs, expected):
+        assert torch.equal(got, want) and got.grad_fn is None

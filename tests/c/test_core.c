@@ -2971,6 +2971,59 @@ static void test_pool_bags(void)
     plain.end = count[2];
     CHECK_ST(he_bag_positions(&plain, bag_of, factor, &wrote), HE_OK);
     CHECK(wrote == 0);
+    /* he_bag_grad_reduce: the positions made by the core, bitwise the
+     * reduce given he_bag_positions' (mean bags with padding and ids past
+     * the last bag; weighted bags), any thread count; a sort of other ids,
+     * a gradient of fewer rows than bags, a sort for another table's rows:
+     * refused, nothing written. */
+    ids[1][count[1] - 1] = 2;
+    for (int t = 1; t <= 3; t += 2) {
+        he_ids view = {ids[t], count[t], 1};
+        he_dedup *d = NULL;
+        CHECK_ST(he_dedup_build(&view, rows[t], &d), HE_OK);
+        int64_t grad_rows = num_bags[t] + 2, n = d->num_unique;
+        float *grad = xmalloc((size_t)(grad_rows * dim[t]) * sizeof(float));
+        fill_uniform(grad, grad_rows * dim[t], -1.0, 1.0);
+        int64_t *t_bag_of = xmalloc((size_t)count[t] * sizeof(int64_t));
+        float *t_factor = xmalloc((size_t)count[t] * sizeof(float));
+        CHECK_ST(he_bag_positions(&b[t], t_bag_of, t_factor, &wrote), HE_OK);
+        CHECK(wrote == 1);
+        he_reduce_opts given = {b[t].padding_idx, t == 1, t_bag_of, t_factor, grad_rows, HE_F32, 0};
+        he_reduce_opts made = {b[t].padding_idx, t == 1, NULL, NULL, 0, HE_F32, 0};
+        float *want = xmalloc((size_t)(n * dim[t]) * sizeof(float)), *got = xmalloc((size_t)(n * dim[t]) * sizeof(float));
+        int64_t *want_idx = xmalloc((size_t)n * sizeof(int64_t)), *got_idx = xmalloc((size_t)n * sizeof(int64_t));
+        int64_t want_n = -1, got_n = -1;
+        CHECK_ST(he_grad_reduce(d, grad, dim[t], &given, want, want_idx, &want_n), HE_OK);
+        for (int threads_n = 1; threads_n <= 3; threads_n += 2) {
+            set_threads(threads_n);
+            memset(got, 0xCD, (size_t)(n * dim[t]) * sizeof(float));
+            CHECK_ST(he_bag_grad_reduce(d, &b[t], grad, grad_rows, &made, got, got_idx, &got_n), HE_OK);
+            CHECKF(got_n == want_n && memcmp(got_idx, want_idx, (size_t)want_n * sizeof(int64_t)) == 0 &&
+                       memcmp(got, want, (size_t)(want_n * dim[t]) * sizeof(float)) == 0,
+                   "table %d, %d threads: the core's bag positions reduce otherwise", t, threads_n);
+        }
+        memset(got, 0xCD, (size_t)(n * dim[t]) * sizeof(float));
+        he_bag_batch shorter = b[t];
+        shorter.ids.count--;
+        CHECK_ST(he_bag_grad_reduce(d, &shorter, grad, grad_rows, &made, got, got_idx, &got_n), HE_ERR_VALUE);
+        CHECK_MSG("a sort of");
+        CHECK_ST(he_bag_grad_reduce(d, &b[t], grad, num_bags[t] - 1, &made, got, got_idx, &got_n), HE_ERR_VALUE);
+        CHECK_MSG("rows for");
+        he_bag_batch other = b[t];
+        other.table.num_rows++;
+        CHECK_ST(he_bag_grad_reduce(d, &other, grad, grad_rows, &made, got, got_idx, &got_n), HE_ERR_VALUE);
+        CHECK_MSG("-row table");
+        for (size_t i = 0; i < (size_t)(n * dim[t]) * sizeof(float); i++)
+            CHECK(((unsigned char *)got)[i] == 0xCD);
+        free(grad);
+        free(t_bag_of);
+        free(t_factor);
+        free(want);
+        free(got);
+        free(want_idx);
+        free(got_idx);
+        he_dedup_free(d);
+    }
     free(bag_of);
     free(factor);
     for (int t = 0; t < T; t++) {

@@ -26,7 +26,6 @@ nothing changed.
 import functools
 import warnings
 import weakref
-from typing import NamedTuple, Optional
 
 import torch
 
@@ -40,19 +39,11 @@ ACCUMULATION_MESSAGE = (
 )
 
 
-class Pooling(NamedTuple):
-    """How a bag's gradient reaches its ids: position p's gradient row is
-    grad[bag_of[p]] * row_weights[p] (row_weights None: 1)."""
-    bag_of: torch.Tensor
-    row_weights: Optional[torch.Tensor]
-
-
 class CpuGradient:
     """A CPU lookup's output gradient, as its backward hands it over. For
     bags, grad has a row per bag and `bags` is the lookup's
     _core.ops.bags.BagBatch: the core finds each position's bag and factor
-    from it in the fused update (_core.ops.bags.positions makes them where
-    Python needs them)."""
+    from it, in the fused update and in the unfused reduce."""
 
     __slots__ = ("ids", "grad", "padding_idx", "scale_grad_by_freq", "dedup", "bags")
 

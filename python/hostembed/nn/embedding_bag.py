@@ -52,18 +52,20 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
         self._init_table(num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype)
 
     def forward(self, input, offsets=None, per_sample_weights=None):
-        ids, offsets, per_sample_weights, include_last_offset = self._bags(input, offsets, per_sample_weights)
+        pools_on_cpu = self._pools_on_cpu()
+        ids, offsets, per_sample_weights, include_last_offset = self._bags(input, offsets, per_sample_weights,
+                                                                           pools_on_cpu)
         compiling = torch.compiler.is_compiling()
         if not compiling:
             self._prepare_weight()
         gpu = self._output_device.type == "cuda" and self._table.kernels_read_it
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
-        if self._pools_on_cpu():
+        if pools_on_cpu:
             # The parameter itself: self.weight would redo _prepare_weight's checks.
-            out = _bag_cpu.PooledLookup.apply(
-                self._parameters["weight"], ids, offsets, per_sample_weights, self.mode, include_last_offset,
-                padding_idx, max_norm_of(self), float(self.norm_type), self.scale_grad_by_freq,
-                self._sparse_gradient())
+            out = _bag_cpu.pooled_lookup(
+                self._parameters["weight"], ids, offsets, per_sample_weights,
+                (self.mode, include_last_offset, padding_idx, max_norm_of(self), float(self.norm_type),
+                 self.scale_grad_by_freq, self._sparse_gradient()))
             self._record_path("cpu")
             device = self._output_device
             return out if device.type == "cpu" else out.to(device)

@@ -63,7 +63,7 @@ class EmbeddingBagCollection(nn.ModuleList):
             sample_weights.append(psw)
             pooled.append(k)
         if pooled:
-            for k, out in zip(pooled, _bag_cpu.PooledTables.apply(specs, *weights, *sample_weights)):
+            for k, out in zip(pooled, _bag_cpu.pooled_tables(specs, weights, sample_weights)):
                 module = modules[k]
                 module._record_path("pooled")
                 device = module._output_device

@@ -9,7 +9,7 @@ from torch import Tensor
 from .. import _C
 from .. import fused as _fused
 from ..table import DTYPE_CODES, compute_dtype, host_table_of
-from .common import address, cpu_ids_args, custom_op, float_rows, scratch, weight_grad
+from .common import address, applier, cpu_ids_args, custom_op, float_rows, scratch, weight_grad
 
 
 def unique_ids(ids: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
@@ -111,16 +111,17 @@ def grad_reduce(ids: Tensor, grad: Tensor, num_rows: int, padding_idx: int,
     return reduce_rows(ids, grad, num_rows, padding_idx, scale_grad_by_freq)
 
 
-def reduce_rows(ids, grad, num_rows, padding_idx, scale_grad_by_freq, dedup=None, pooling=None, rounded=False):
+def reduce_rows(ids, grad, num_rows, padding_idx, scale_grad_by_freq, dedup=None, bags=None, rounded=False):
     """grad_reduce, reusing the forward's Dedup of the same ids if given;
-    with pooling (a bag's _fused.Pooling), grad has a row per bag. rounded:
-    the values of a half grad come in its dtype (rounded by the core, as
-    weight_grad would round them)."""
+    with bags (the lookup's _core.ops.bags.BagBatch, whose ids these are),
+    grad has a row per bag, and the core finds each position's bag and
+    factor. rounded: the values of a half grad come in its dtype (rounded
+    by the core, as weight_grad would round them)."""
     dim = grad.shape[-1]
     ids = ids.reshape(-1).contiguous()
     dtype = compute_dtype(grad.dtype)  # a float64 table's gradient is float64
     # The core widens a half gradient's rows itself.
-    rows, bags, _weights = gradient_rows(grad, ids, dim, pooling, grad.dtype if grad.dtype in DTYPE_CODES else dtype)
+    rows, args = gradient_rows(grad, ids, dim, bags, grad.dtype if grad.dtype in DTYPE_CODES else dtype)
     if dedup is None:
         dedup = _C.Dedup(**cpu_ids_args(ids), num_rows=num_rows)
     rounded = rounded and rows.dtype != dtype
@@ -128,32 +129,22 @@ def reduce_rows(ids, grad, num_rows, padding_idx, scale_grad_by_freq, dedup=None
     values = scratch(dedup.num_unique, dim, dtype=rows.dtype if rounded else dtype)
     written = _C.grad_reduce(dedup=dedup, grad=address(rows), dim=dim, padding_idx=padding_idx,
                              scale_grad_by_freq=scale_grad_by_freq, values=address(values),
-                             indices=address(indices), dtype=DTYPE_CODES[rows.dtype], round_sums=rounded, **bags)
+                             indices=address(indices), dtype=DTYPE_CODES[rows.dtype], round_sums=rounded, **args)
     if written == dedup.num_unique:
         return indices, values
     return indices[:written].clone(), values[:written].clone()
 
 
-def gradient_rows(grad, ids, dim, pooling, dtype):
-    """(grad as contiguous rows of dtype, the core's pooling arguments, the
-    row weights they point at, to keep until the call): a row per id, or
-    with pooling a row per bag, each id's bag and weight checked here for
-    shape and by the core for range (the weights converted to dtype's
-    compute dtype, which the sums are in)."""
-    if pooling is None:
-        return (float_rows(grad, ids.numel(), dim, "cpu", dtype), {"bag_of": 0, "row_weights": 0, "num_bags": 0},
-                None)
-    bag_of, weights = pooling.bag_of, pooling.row_weights
-    if bag_of.dtype != torch.int64 or bag_of.shape != (ids.numel(),) or not bag_of.is_contiguous() or (
-            weights is not None and (not weights.is_floating_point() or weights.shape != bag_of.shape)):
-        raise ValueError(f"hostembed: a bag gradient takes contiguous int64 bag_of and floating-point "
-                         f"row_weights of {ids.numel()} entries, got {bag_of.dtype} {list(bag_of.shape)} and "
-                         f"{None if weights is None else (weights.dtype, list(weights.shape))}")
-    if weights is not None:
-        weights = weights.to(compute_dtype(dtype)).contiguous()
-    rows = grad.to(device="cpu", dtype=dtype).contiguous().reshape(-1, dim)
-    return rows, {"bag_of": address(bag_of), "row_weights": 0 if weights is None else address(weights),
-                  "num_bags": rows.shape[0]}, weights
+def gradient_rows(grad, ids, dim, bags, dtype):
+    """(grad as contiguous rows of dtype, the core's arguments saying where
+    each id's row is): a row per id, or with bags (a BagBatch) a row per
+    bag, in the bags' table's dtype, each position's bag and factor made by
+    the core from the batch."""
+    if bags is None:
+        return (float_rows(grad, ids.numel(), dim, "cpu", dtype),
+                {"bag_of": 0, "row_weights": 0, "num_bags": 0, "bags": None})
+    rows = grad.to(device="cpu", dtype=bags.table.dtype).contiguous().reshape(-1, dim)
+    return rows, {"bag_of": 0, "row_weights": 0, "num_bags": rows.shape[0], "bags": bags.args + (0,)}
 
 
 @grad_reduce.op.register_fake
@@ -207,6 +198,9 @@ class _LookupEager(torch.autograd.Function):
     backward = staticmethod(lookup_backward)
 
 
+_lookup_eager = applier(_LookupEager)
+
+
 def embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
     """weight[ids] on the CPU, differentiable (see lookup)."""
     args = (weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
@@ -216,7 +210,7 @@ def embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_grad_b
         # Nothing to record: the autograd Function's own cost (about 15 us
         # a call) would be most of a small lookup's.
         return lookup_rows(weight, ids, max_norm, norm_type)[0]
-    return _LookupEager.apply(*args)
+    return _lookup_eager(*args)
 
 
 @torch.compiler.disable
@@ -224,4 +218,4 @@ def fused_embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_
     """embedding_lookup of a fused table: always eager (a graph break under
     torch.compile), since its backward queues the update with autograd's
     engine (_core/fused.py), which a compiled backward cannot do."""
-    return _LookupEager.apply(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    return _lookup_eager(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)

@@ -10,7 +10,6 @@ from torch import Tensor
 from .. import _C
 from .. import fused as _fused
 from ..table import DTYPE_CODES, dtype_name, host_table_of
-from . import bags as bag_ops
 from .common import address, cpu_ids_args, custom_op, holding
 from .cpu import gradient_rows, reduce_rows
 
@@ -205,7 +204,7 @@ def sparse_update_fused_many(updates) -> None:
         dtype = table.gradient_dtype(grad.dtype)
         if gradient.bags is None:
             ids = gradient.ids.reshape(-1).contiguous()
-            rows, args, _ = gradient_rows(grad, ids, table.dim, None, dtype)
+            rows, args = gradient_rows(grad, ids, table.dim, None, dtype)
             if gradient.dedup is None:  # the core sorts them
                 args.update(cpu_ids_args(ids))
         else:
@@ -232,9 +231,8 @@ def reduce_to_host(table, gradient):
     """A fused table's lookup gradient (_fused.CpuGradient or GpuGradient)
     reduced as its unfused backward would: (indices, values) on the CPU."""
     if isinstance(gradient, _fused.CpuGradient):
-        pooling = None if gradient.bags is None else _fused.Pooling(*bag_ops.positions(gradient.bags))
         indices, values = reduce_rows(gradient.ids, gradient.grad, table.num_rows, gradient.padding_idx,
-                                       gradient.scale_grad_by_freq, gradient.dedup, pooling, rounded=True)
+                                       gradient.scale_grad_by_freq, gradient.dedup, gradient.bags, rounded=True)
         # Rounded to the table's dtype, as each lookup's weight.grad is.
         return indices, values.to(table.dtype)
     indices, values = gradient.wait()

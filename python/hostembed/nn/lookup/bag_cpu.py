@@ -27,35 +27,56 @@ from . import bag_input
 
 
 class PooledLookup(torch.autograd.Function):
+    """One table's bags (pooled_lookup calls it): apply(weight, ids,
+    offsets, per_sample_weights, (mode, include_last_offset, padding_idx,
+    max_norm, norm_type, scale_grad_by_freq, sparse)); the options in one
+    argument, since autograd walks every argument of every call."""
 
     @staticmethod
-    def forward(ctx, weight, ids, offsets, per_sample_weights, mode, include_last_offset, padding_idx, max_norm,
-                norm_type, scale_grad_by_freq, sparse):
-        batch = bag_ops.BagBatch(weight, ids, offsets, include_last_offset, per_sample_weights, padding_idx,
-                                 mode == "mean")
-        dedup = inverse = rows = None
-        if max_norm is None:
-            (out,) = pool([batch])
-        else:
-            dedup, unique, inverse = cpu_ops.dedup_ids(ids, weight.shape[0])
-            rows, _, _ = cpu_ops.lookup_rows(weight, unique, max_norm, norm_type)
-            out = F.embedding_bag(inverse, rows, offsets, mode=mode, per_sample_weights=per_sample_weights,
-                                  include_last_offset=include_last_offset,
-                                  padding_idx=padding_row(unique, padding_idx))
-        ctx.batch, ctx.dedup, ctx.rows, ctx.inverse = batch, dedup, rows, inverse
-        ctx.spec = (scale_grad_by_freq, sparse)
+    def forward(ctx, weight, ids, offsets, per_sample_weights, options):
+        out, ctx.batch, ctx.dedup, ctx.rows, ctx.inverse = pooled(weight, ids, offsets, per_sample_weights, options)
+        ctx.spec = options[5:]  # scale_grad_by_freq, sparse
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         grad, weights_grad = bag_gradient(ctx.batch, grad_out, ctx.needs_input_grad[0], ctx.needs_input_grad[3],
                                           *ctx.spec, ctx.dedup, ctx.rows, ctx.inverse)
-        return (grad, None, None, weights_grad) + (None,) * 7
+        return grad, None, None, weights_grad, None
+
+
+_pooled_lookup = common_ops.applier(PooledLookup)
+
+
+def pooled_lookup(weight, ids, offsets, per_sample_weights, options):
+    """The pooled bags of one table (PooledLookup's arguments), with
+    autograd where a gradient can flow (the Function's own cost is a
+    fifth of a small lookup's)."""
+    if torch.jit.is_tracing() or torch.is_grad_enabled() and (weight.requires_grad or (
+            per_sample_weights is not None and per_sample_weights.requires_grad)):
+        return _pooled_lookup(weight, ids, offsets, per_sample_weights, options)
+    return pooled(weight, ids, offsets, per_sample_weights, options)[0]
+
+
+def pooled(weight, ids, offsets, per_sample_weights, options):
+    """(the pooled bags, their BagBatch, and with max_norm the ids' Dedup,
+    the distinct rows read, each id's among them)."""
+    mode, include_last_offset, padding_idx, max_norm, norm_type, _, _ = options
+    batch = bag_ops.BagBatch(weight, ids, offsets, include_last_offset, per_sample_weights, padding_idx,
+                             mode == "mean")
+    if max_norm is None:
+        (out,) = pool([batch])
+        return out, batch, None, None, None
+    dedup, unique, inverse = cpu_ops.dedup_ids(ids, weight.shape[0])
+    rows, _, _ = cpu_ops.lookup_rows(weight, unique, max_norm, norm_type)
+    out = F.embedding_bag(inverse, rows, offsets, mode=mode, per_sample_weights=per_sample_weights,
+                          include_last_offset=include_last_offset, padding_idx=padding_row(unique, padding_idx))
+    return out, batch, dedup, rows, inverse
 
 
 class PooledTables(torch.autograd.Function):
     """Many tables' bags (sum or mean, no max_norm) pooled by one call of
-    the core; backward gives each table its gradient as PooledLookup does.
+    the core (pooled_tables calls it); backward gives each table its gradient as PooledLookup does.
     apply(specs, *weights, *per_sample_weights): specs holds a (ids,
     offsets, include_last_offset, padding_idx, mean, scale_grad_by_freq,
     sparse, table) per table, each weight checked to be its table's rows
@@ -64,10 +85,7 @@ class PooledTables(torch.autograd.Function):
     @staticmethod
     def forward(ctx, specs, *tensors):
         count = len(specs)
-        weights, sample_weights = tensors[:count], tensors[count:]
-        ctx.batches = [bag_ops.BagBatch(w, ids, offsets, last, psw, padding_idx, mean, table=table)
-                       for w, psw, (ids, offsets, last, padding_idx, mean, _, _, table)
-                       in zip(weights, sample_weights, specs)]
+        ctx.batches = table_batches(specs, tensors[:count], tensors[count:])
         ctx.specs = [spec[5:7] for spec in specs]
         return tuple(pool(ctx.batches))
 
@@ -80,6 +98,23 @@ class PooledTables(torch.autograd.Function):
             if grad_out is not None and (needs_weight or needs_weights):
                 grads[k], weights_grads[k] = bag_gradient(batch, grad_out, needs_weight, needs_weights, *spec)
         return (None, *grads, *weights_grads)
+
+
+_pooled_tables = common_ops.applier(PooledTables)
+
+
+def pooled_tables(specs, weights, sample_weights):
+    """Each table's pooled bags (PooledTables' arguments), with autograd
+    where a gradient can flow."""
+    if torch.jit.is_tracing() or torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (*weights, *sample_weights)):
+        return _pooled_tables(specs, *weights, *sample_weights)
+    return pool(table_batches(specs, weights, sample_weights))
+
+
+def table_batches(specs, weights, sample_weights):
+    return [bag_ops.BagBatch(w, ids, offsets, last, psw, padding_idx, mean, table=table)
+            for w, psw, (ids, offsets, last, padding_idx, mean, _, _, table) in zip(weights, sample_weights, specs)]
 
 
 def pool(batches):
@@ -101,13 +136,13 @@ def bag_gradient(batch, grad_out, needs_weight, needs_weights, scale_grad_by_fre
     grad_out = grad_out.contiguous()
     if grad_out.shape[0] == 0:  # no bags: every position's gradient is 0
         grad_out = grad_out.new_zeros(1, table.dim)
-    # A fused update finds each position's bag and factor in the core.
+    # The core finds each position's bag and factor for the table's
+    # gradient (fused or not) from the batch.
     fused = needs_weight and table.fused and _fused.take_gradient(
         table, _fused.CpuGradient(ids, grad_out, padding_idx, scale_grad_by_freq, dedup, batch))
-    if needs_weights or (needs_weight and not fused):
-        bag_of, row_weights = bag_ops.positions(batch)
     weights_grad = None
     if needs_weights:
+        bag_of, _ = bag_ops.positions(batch)
         # d out[b] / d w[p] = <grad_out[b], row of ids[p]>: 0 outside
         # every bag and at padding, as torch gives.
         looked_up = table.tensor.index_select(0, ids) if rows is None else rows.index_select(0, inverse)
@@ -119,7 +154,7 @@ def bag_gradient(batch, grad_out, needs_weight, needs_weights, scale_grad_by_fre
     grad = None
     if needs_weight and not fused:
         indices, values = cpu_ops.reduce_rows(ids, grad_out, table.num_rows, padding_idx, scale_grad_by_freq, dedup,
-                                              _fused.Pooling(bag_of, row_weights), rounded=True)
+                                              batch, rounded=True)
         grad = common_ops.weight_grad(indices, values, table.num_rows, table.dim, sparse, table.dtype)
     return grad, weights_grad
 
