@@ -472,19 +472,20 @@ static PyObject *heb_dense_adam(PyObject *mod, PyObject *args, PyObject *kwds)
     (void)mod;
     static char *kwlist[] = {"weight", "state", "num_rows", "dim", "dtype", "indices", "values", "nnz", "lr",
                              "beta1", "beta2", "eps", "weight_decay", "step", "decoupled", "amsgrad", "maximize",
-                             NULL};
+                             "rows", NULL};
     static const char *names[3] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
     HEB_BUFFER(weight);
     PyObject *state;
     HEB_ADDRESS(indices);
     HEB_ADDRESS(values);
-    long long num_rows, dim, nnz, step;
+    long long num_rows, dim, nnz, step, first_row, end_row;
     int dtype, decoupled, amsgrad, maximize;
     he_dense_adam_params hp = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&O!LLiO&O&LdddddLppp:dense_adam", kwlist, heb_buffer_converter,
-                                     &weight, &PyTuple_Type, &state, &num_rows, &dim, &dtype, heb_address_converter,
-                                     &indices, heb_address_converter, &values, &nnz, &hp.lr, &hp.beta1, &hp.beta2,
-                                     &hp.eps, &hp.weight_decay, &step, &decoupled, &amsgrad, &maximize))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&O!LLiO&O&LdddddLppp(LL):dense_adam", kwlist,
+                                     heb_buffer_converter, &weight, &PyTuple_Type, &state, &num_rows, &dim, &dtype,
+                                     heb_address_converter, &indices, heb_address_converter, &values, &nnz, &hp.lr,
+                                     &hp.beta1, &hp.beta2, &hp.eps, &hp.weight_decay, &step, &decoupled, &amsgrad,
+                                     &maximize, &first_row, &end_row))
         return NULL;
     hp.step = step;
     hp.decoupled = decoupled;
@@ -507,8 +508,8 @@ static PyObject *heb_dense_adam(PyObject *mod, PyObject *args, PyObject *kwds)
     }
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_dense_adam(&hp, &w, &s[0], &s[1], amsgrad ? &s[2] : NULL, (const int64_t *)indices.ptr, values.ptr,
-                       nnz);
+    st = he_dense_adam(&hp, &w, &s[0], &s[1], amsgrad ? &s[2] : NULL, first_row, end_row,
+                       (const int64_t *)indices.ptr, values.ptr, nnz);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -521,11 +522,11 @@ static PyMethodDef heb_cpu_methods[] = {
      "IndexError naming the first of ids[:count] outside [0, num_rows), if any"},
     {"dense_adam", HEB_KW_FUNC(heb_dense_adam), METH_VARARGS | METH_KEYWORDS,
      "dense_adam($module, /, *, weight, state, num_rows, dim, dtype, indices, values, nnz, lr, beta1, beta2, eps, "
-     "weight_decay, step, decoupled, amsgrad, maximize)\n--\n\n"
-     "torch.optim.Adam's step (AdamW's with decoupled) on every row of the [num_rows, dim] table of he_dtype "
+     "weight_decay, step, decoupled, amsgrad, maximize, rows)\n--\n\n"
+     "torch.optim.Adam's step (AdamW's with decoupled) on rows [rows[0], rows[1]) of the [num_rows, dim] table of he_dtype "
      "`dtype` (float32 or float64) and its state (exp_avg, exp_avg_sq[, max_exp_avg_sq]: HostBuffers of the same "
      "shape and dtype), in place: rows indices[:nnz] (strictly ascending) with gradient rows values[:nnz], every "
-     "other row with a zero gradient"},
+     "other row of the range with a zero gradient (its indices all in the range)"},
     {"gather", HEB_KW_FUNC(heb_gather), METH_VARARGS | METH_KEYWORDS,
      "gather($module, /, *, table, num_rows, dim, dtype, ids, count, ids_int64, out)\n--\n\n"
      "out[i] = table[ids[i]] (table: the HostBuffer of the [num_rows, dim] rows of he_dtype `dtype`; ValueError if they do not "

@@ -26,6 +26,7 @@ typedef struct dense_job {
     const int64_t *indices;
     const char *values;
     int64_t nnz;
+    int64_t first_row; /* the parallel loop's row 0 */
 } dense_job;
 
 /* Rows [r, r + count) of every table, with gradient g (count == 1) or none. */
@@ -58,6 +59,8 @@ static int64_t first_at_or_after(const int64_t *indices, int64_t nnz, int64_t ro
 static void rows_range(void *ctx, int64_t begin, int64_t end)
 {
     const dense_job *job = ctx;
+    begin += job->first_row;
+    end += job->first_row;
     size_t row_bytes = (size_t)job->t[0].dim * he_table_elem(&job->t[0]);
     int64_t k = first_at_or_after(job->indices, job->nnz, begin);
     int64_t r = begin;
@@ -110,8 +113,8 @@ static he_status make_consts(const he_dense_adam_params *hp, int dtype, dense_co
 }
 
 he_status he_dense_adam(const he_dense_adam_params *hp, const he_table *weight, const he_table *exp_avg,
-                        const he_table *exp_avg_sq, const he_table *max_exp_avg_sq, const int64_t *indices,
-                        const void *values, int64_t nnz)
+                        const he_table *exp_avg_sq, const he_table *max_exp_avg_sq, int64_t first_row,
+                        int64_t end_row, const int64_t *indices, const void *values, int64_t nnz)
 {
     static const char *names[4] = {"weight", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
     dense_job job = {0};
@@ -143,9 +146,15 @@ he_status he_dense_adam(const he_dense_adam_params *hp, const he_table *weight, 
     }
     if (nnz < 0)
         return he_fail(HE_ERR_VALUE, "a gradient needs nnz >= 0, got %" PRId64, nnz);
+    if (first_row < 0 || first_row > end_row || end_row > weight->num_rows)
+        return he_fail(HE_ERR_VALUE, "rows [%" PRId64 ", %" PRId64 ") are not a range of a %" PRId64 "-row table",
+                       first_row, end_row, weight->num_rows);
     for (int64_t k = 0; k < nnz; k++) {
         if ((uint64_t)indices[k] >= (uint64_t)weight->num_rows)
             return he_fail_out_of_range(k, indices[k], weight->num_rows);
+        if (indices[k] < first_row || indices[k] >= end_row)
+            return he_fail(HE_ERR_VALUE, "the gradient's row %" PRId64 " (index %" PRId64 ") is outside the rows [%"
+                           PRId64 ", %" PRId64 ") this step updates", indices[k], k, first_row, end_row);
         if (k > 0 && indices[k] <= indices[k - 1])
             return he_fail(HE_ERR_VALUE, "the gradient's row indices must be strictly ascending (coalesced); "
                                          "index %" PRId64 " is %" PRId64 " after %" PRId64,
@@ -153,12 +162,13 @@ he_status he_dense_adam(const he_dense_adam_params *hp, const he_table *weight, 
     }
     if ((st = make_consts(hp, weight->dtype, &job.c)) != HE_OK)
         return st;
-    if (weight->num_rows == 0 || weight->dim == 0)
+    if (end_row == first_row || weight->dim == 0)
         return HE_OK;
     job.indices = indices;
     job.values = values;
     job.nnz = nnz;
+    job.first_row = first_row;
     /* w, m, v (and vmax) read and written. */
-    int64_t bytes = weight->num_rows * weight->dim * (int64_t)he_table_elem(weight) * (hp->amsgrad ? 8 : 6);
-    return he_parallel_for_bytes(weight->num_rows, 16384 / weight->dim + 1, bytes, rows_range, &job);
+    int64_t bytes = (end_row - first_row) * weight->dim * (int64_t)he_table_elem(weight) * (hp->amsgrad ? 8 : 6);
+    return he_parallel_for_bytes(end_row - first_row, 16384 / weight->dim + 1, bytes, rows_range, &job);
 }

@@ -39,9 +39,13 @@ typedef struct he_dense_adam_params {
  * (-(lr / (1-b1^t)) * m) / denom), each scalar rounded to the table's dtype
  * as torch rounds a Python float. sqrt here is correctly rounded; torch's
  * vectorised sqrt may not be (see sparse_adam.h), so results match torch's
- * to an ulp or two rather than always to the bit. */
+ * to an ulp or two rather than always to the bit.
+ *
+ * Only rows [first_row, end_row) are stepped, the gradient's indices among
+ * them (HE_ERR_VALUE otherwise): the whole table is [0, num_rows); a
+ * process of several that share one table steps its own range. */
 he_status he_dense_adam(const he_dense_adam_params *hp, const he_table *weight, const he_table *exp_avg,
-                        const he_table *exp_avg_sq, const he_table *max_exp_avg_sq, const int64_t *indices,
-                        const void *values, int64_t nnz);
+                        const he_table *exp_avg_sq, const he_table *max_exp_avg_sq, int64_t first_row,
+                        int64_t end_row, const int64_t *indices, const void *values, int64_t nnz);
 
 #endif

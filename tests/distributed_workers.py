@@ -15,6 +15,8 @@ OPTIMIZERS = {
     "SGD": (hostembed.SGD, dict(lr=0.1)),
     "SparseAdam": (hostembed.SparseAdam, dict(lr=0.01)),
     "RowWiseAdagrad": (hostembed.RowWiseAdagrad, dict(lr=0.1)),
+    # Steps every row: with weight decay, a row stepped twice would show.
+    "Adam": (hostembed.Adam, dict(lr=0.01, weight_decay=0.1)),
 }
 
 
@@ -87,7 +89,7 @@ def train_bags(rank, world, optimizer, fused, mode):
     return {"range": emb.row_range, "weight": emb.shard.weight.detach().clone(), "state": state}
 
 
-def train_host_sharded(rank, world, optimizer, bag):
+def train_host_sharded(rank, world, optimizer, bag, fused):
     """Rows sharded over 2 played hosts (ranks 2h and 2h + 1 on host h),
     each host's rows one copy its two ranks share; then an id out of range
     on the last rank."""
@@ -98,7 +100,7 @@ def train_host_sharded(rank, world, optimizer, bag):
     else:
         emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False, share_within_host=True, _host=host)
     cls, hyper = OPTIMIZERS[optimizer]
-    opt = cls(emb.parameters(), **hyper)
+    opt = cls(emb.parameters(), **({"fused": True} if fused else {}), **hyper)
     for step in range(STEPS):
         ids, target = batch(step, rank)
         (emb(ids) - (target.sum(1) if bag else target)).pow(2).sum().backward()
@@ -176,9 +178,37 @@ def global_batch(step):
 
 
 class _Tables(torch.nn.Module):
-    def __init__(self):
+    """A model around one table over the ranks: "sharded" (each rank its
+    rows), "shared" (one copy for all), or "hosts" (rows over played hosts
+    of `per_host` ranks each, each host's rows shared by its ranks)."""
+
+    def __init__(self, kind="sharded", per_host=1):
         super().__init__()
-        self.emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False)
+        rank = dist.get_rank()
+        if kind == "shared":
+            self.emb = hd.SharedEmbedding.from_pretrained(initial_table(), freeze=False)
+        else:
+            self.emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False,
+                                                           share_within_host=kind == "hosts",
+                                                           _host=f"host{rank // per_host}")
+
+    def own(self, opt):
+        """(the rows of the table this rank updates, their weights, their
+        optimizer state, its step)."""
+        emb = self.emb
+        if isinstance(emb, hd.SharedEmbedding):
+            weight, first, (start, end) = emb.table.weight, 0, emb.row_range
+        elif isinstance(emb.shard, hd.SharedEmbedding):
+            weight, first = emb.shard.table.weight, emb.row_range[0]
+            start, end = (first + r for r in emb.shard.row_range)
+        else:
+            weight, first, (start, end) = emb.shard.weight, emb.row_range[0], emb.row_range
+        dist.barrier()  # every rank's last update done
+        state = opt.state[weight]
+        rows = slice(start - first, end - first)
+        return {"range": (start, end), "weight": weight.detach()[rows].clone(),
+                "exp_avg": state["exp_avg"][rows].clone(), "exp_avg_sq": state["exp_avg_sq"][rows].clone(),
+                "step": int(state["step"])}
 
 
 def _train_steps(model, opt, steps, rank, world):
@@ -189,21 +219,29 @@ def _train_steps(model, opt, steps, rank, world):
         opt.zero_grad()
 
 
-def reshard(rank, world, checkpoints, written_by):
+def reshard(rank, world, checkpoints, written_by, kind="sharded", per_host=1):
     """Trains 3 steps and saves a checkpoint a rank (written_by 0), or
     loads the checkpoints `written_by` ranks saved; then 2 more steps."""
-    model = _Tables()
+    model = _Tables(kind, per_host)
     opt = hostembed.SparseAdam(model.parameters(), lr=0.01)
+    refused = None
+    if written_by and kind != "sharded" and world != written_by:
+        # Another layout's file: hostembed.load refuses it, nothing loaded
+        # (the ranks in step: no rank's load writes shared rows meanwhile).
+        dist.barrier()
+        if rank < written_by:
+            before = [t.detach().clone() for t in model.state_dict().values() if torch.is_tensor(t)]
+            refused = raised(RuntimeError, hostembed.load, os.path.join(checkpoints, f"rank{rank}.pt"), model, opt)
+            after = [t for t in model.state_dict().values() if torch.is_tensor(t)]
+            refused = (refused, all(torch.equal(a, b) for a, b in zip(before, after)) and not opt.state)
+        dist.barrier()
     if written_by:
         hd.load_resharded([os.path.join(checkpoints, f"rank{r}.pt") for r in range(written_by)], model, opt)
     else:
         _train_steps(model, opt, range(3), rank, world)
         hostembed.save(os.path.join(checkpoints, f"rank{rank}.pt"), model, opt)
     _train_steps(model, opt, range(3, 5), rank, world)
-    state = opt.state[model.emb.shard.weight]
-    return {"range": model.emb.row_range, "weight": model.emb.shard.weight.detach().clone(),
-            "exp_avg": state["exp_avg"].clone(), "exp_avg_sq": state["exp_avg_sq"].clone(),
-            "step": int(state["step"])}
+    return dict(model.own(opt), refused=refused)
 
 
 def from_single_process(rank, world, plain, directory):
@@ -288,29 +326,39 @@ def shared_memory(rank, world, rows, dim):
     return {"mapping": _smaps_of(emb.table.weight.data_ptr()), "private_gain_kib": _private_kib() - before}
 
 
-def train_shared(rank, world, optimizer):
-    emb = hd.SharedEmbedding.from_pretrained(initial_table(), freeze=False)
+def train_shared(rank, world, optimizer, fused):
+    """A shared table trained by every rank; with fused=True, an unfused
+    twin trained on the same batches beside it."""
     cls, hyper = OPTIMIZERS[optimizer]
-    opt = cls(emb.parameters(), **hyper)
+    pairs = []
+    for twin_fused in (fused, False) if fused else (False,):
+        emb = hd.SharedEmbedding.from_pretrained(initial_table(), freeze=False)
+        pairs.append((emb, cls(emb.parameters(), **({"fused": True} if twin_fused else {}), **hyper)))
     for step in range(STEPS):
         ids, target = batch(step, rank)
-        (emb(ids) - target).pow(2).sum().backward()
-        opt.step()
-        opt.zero_grad()
+        for emb, opt in pairs:
+            (emb(ids) - target).pow(2).sum().backward()
+            if fused and opt is pairs[0][1]:
+                assert emb.table.weight.grad is None, "a fused update left a gradient"
+            opt.step()
+            opt.zero_grad()
     dist.barrier()  # the last updates done before the table is read
+    emb, opt = pairs[0]
     start, end = emb.row_range
     state = {key: torch.as_tensor(value)[start:end].clone() for key, value in opt.state[emb.table.weight].items()
              if torch.is_tensor(value) and value.dim() > 0}
     return {"range": emb.row_range, "table": emb.table.weight.detach().clone(), "state": state,
-            "mapping": _mapping_of(emb.table.weight.data_ptr())}
+            "mapping": _mapping_of(emb.table.weight.data_ptr()),
+            "unfused_table": pairs[-1][0].table.weight.detach().clone()}
 
 
 def shared_refusals(rank, world):
-    out = {}
-    out["hosts"] = raised(ValueError, lambda: hd.SharedEmbedding(ROWS, DIM, _host=f"host{rank}"))
-    emb = hd.SharedEmbedding(ROWS, DIM)
-    hostembed.SparseAdam(emb.parameters(), fused=True)
-    out["fused"] = raised(NotImplementedError, emb, torch.tensor([rank]))
+    out = {"hosts": raised(ValueError, lambda: hd.SharedEmbedding(ROWS, DIM, _host=f"host{rank}"))}
+    emb = hd.SharedEmbedding.from_pretrained(initial_table(), freeze=False)
+    address = emb.table.weight.data_ptr()
+    out["cast"] = raised(RuntimeError, emb.half)
+    out["unchanged"] = (emb.table.weight.dtype == torch.float32 and emb.table.weight.data_ptr() == address
+                        and torch.equal(emb.table.weight.detach(), initial_table()))
     return out
 
 

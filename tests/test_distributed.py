@@ -122,13 +122,15 @@ def test_sharded_bags_train_like_one_embedding_bag_on_the_ranks_bags_together(tm
     assert torch.equal(emb.weight.detach()[5], initial_table()[5])  # padding never trained
 
 
-@pytest.mark.parametrize("optimizer, bag", [("SGD", False), ("RowWiseAdagrad", False), ("SparseAdam", True)])
-def test_rows_sharded_over_hosts_and_shared_within_each_train_like_one_table(tmp_path, optimizer, bag):
+@pytest.mark.parametrize("optimizer, bag, fused", [
+    ("SGD", False, False), ("RowWiseAdagrad", False, True), ("SparseAdam", True, False), ("SparseAdam", True, True)])
+def test_rows_sharded_over_hosts_and_shared_within_each_train_like_one_table(tmp_path, optimizer, bag, fused):
     """2 played hosts x 2 ranks, share_within_host=True: each host holds
     half the rows once (its two ranks map one file), each rank updates a
     quarter; the result is one process training on all four ranks'
-    batches. An id out of range on the last rank raises on every rank."""
-    results = run_ranks(4, "train_host_sharded", tmp_path, optimizer, bag)
+    batches, with the updates in step() or in backward (fused). An id out
+    of range on the last rank raises on every rank."""
+    results = run_ranks(4, "train_host_sharded", tmp_path, optimizer, bag, fused)
     if bag:
         emb = hostembed.EmbeddingBag.from_pretrained(initial_table(), freeze=False, mode="sum")
         cls, hyper = OPTIMIZERS[optimizer]
@@ -188,14 +190,27 @@ def _whole(results, key):
     return torch.cat([r[key] for r in sorted(results, key=lambda r: r["range"])])
 
 
-def test_checkpoints_of_two_ranks_load_into_two_one_and_three(tmp_path):
+# (name, world, ranks a played host) of each run: the first saves, the
+# others load what it saved.
+RESHARD_RUNS = {
+    "sharded": [("saved", 2, 1), ("same", 2, 1), ("one", 1, 1), ("three", 3, 1)],
+    "shared": [("saved", 2, 2), ("same", 2, 2), ("one", 1, 1), ("three", 3, 3)],
+    # 2 hosts x 2 ranks into 1 x 1, 1 host x 3 ranks, 3 hosts x 1 rank.
+    "hosts": [("saved", 4, 2), ("same", 4, 2), ("one", 1, 1), ("three", 3, 3), ("three hosts", 3, 1)],
+}
+
+
+@pytest.mark.parametrize("kind", RESHARD_RUNS)
+def test_checkpoints_load_into_the_same_fewer_and_more_ranks(tmp_path, kind):
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
     runs = {}
-    for name, world, written_by in (("saved", 2, 0), ("same", 2, 2), ("one", 1, 2), ("three", 3, 2)):
+    (_, written_by, _), *_ = RESHARD_RUNS[kind]
+    for name, world, per_host in RESHARD_RUNS[kind]:
         (tmp_path / name).mkdir()
-        runs[name] = run_ranks(world, "reshard", tmp_path / name, str(checkpoints), written_by)
-    assert sorted(os.listdir(checkpoints)) == ["rank0.pt", "rank1.pt"]
+        runs[name] = run_ranks(world, "reshard", tmp_path / name, str(checkpoints),
+                               0 if name == "saved" else written_by, kind, per_host)
+    assert sorted(os.listdir(checkpoints)) == [f"rank{r}.pt" for r in range(written_by)]
     saved = runs["saved"]
     # The same number of ranks restores exactly: the same bits after two more steps.
     for before, after in zip(saved, runs["same"]):
@@ -203,8 +218,14 @@ def test_checkpoints_of_two_ranks_load_into_two_one_and_three(tmp_path):
             assert torch.equal(torch.as_tensor(before[key]), torch.as_tensor(after[key])), key
     # Other numbers of ranks: the same rows and state, then two steps whose
     # sums add the ranks' partial sums in another grouping (float32 rounding).
-    for name in ("one", "three"):
+    for name in runs.keys() - {"saved", "same"}:
         assert [r["step"] for r in runs[name]] == [5] * len(runs[name])
+        if kind != "sharded" and name != "one":
+            # hostembed.load of another layout's file, which a shared
+            # table's shape alone would not tell: refused, nothing changed.
+            for r in runs[name][:written_by]:
+                message, unchanged = r["refused"]
+                assert "load_resharded" in message and unchanged, r["refused"]
         for key in ("weight", "exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(_whole(runs[name], key), _whole(saved, key), rtol=1e-5, atol=1e-6)
     assert not torch.equal(_whole(saved, "weight"), initial_table())
@@ -263,9 +284,14 @@ def test_a_rank_that_dies_mid_training_fails_the_others_promptly(tmp_path):
     assert results[0]["seconds"] < 60, "it failed only at the process group's timeout"
 
 
-@pytest.mark.parametrize("world, optimizer", [(2, "SGD"), (2, "SparseAdam"), (3, "RowWiseAdagrad")])
-def test_ranks_sharing_one_copy_train_like_one_table(tmp_path, world, optimizer):
-    results = run_ranks(world, "train_shared", tmp_path, optimizer)
+@pytest.mark.parametrize("world, optimizer, fused", [
+    (2, "SGD", False), (2, "SparseAdam", False), (3, "RowWiseAdagrad", False), (2, "Adam", False),
+    (2, "SparseAdam", True), (3, "RowWiseAdagrad", True)])
+def test_ranks_sharing_one_copy_train_like_one_table(tmp_path, world, optimizer, fused):
+    """Every optimizer, fused=True too (bit for bit as unfused: the same
+    exchanged rows, summed in the same order); Adam steps each row of the
+    table once a step (its weight decay would show twice)."""
+    results = run_ranks(world, "train_shared", tmp_path, optimizer, fused)
     emb, opt = reference(optimizer, False, world)
     state = opt.state[emb.weight]
     for r in results:
@@ -280,6 +306,7 @@ def test_ranks_sharing_one_copy_train_like_one_table(tmp_path, world, optimizer)
     assert perms.endswith("s") and "hostembed-" in path, results[0]["mapping"]
     assert all(r["mapping"][1] == inode for r in results)
     assert not torch.equal(emb.weight.detach(), initial_table()), "training changed nothing"
+    assert all(torch.equal(r["table"], r["unfused_table"]) for r in results)
 
 
 def test_a_shared_table_is_one_copy_in_memory_whatever_the_ranks(tmp_path):
@@ -296,10 +323,11 @@ def test_a_shared_table_is_one_copy_in_memory_whatever_the_ranks(tmp_path):
         assert r["private_gain_kib"] < table_kib / 2, (r["private_gain_kib"], table_kib)
 
 
-def test_a_shared_table_refuses_ranks_on_other_hosts_and_fused_updates(tmp_path):
+def test_a_shared_table_refuses_ranks_on_other_hosts_and_casts(tmp_path):
     for r in run_ranks(2, "shared_refusals", tmp_path):
         assert "one host" in r["hosts"] and "'host1'" in r["hosts"]
-        assert "fused=False" in r["fused"]
+        # A cast would give the rank a copy of its own: refused, nothing changed.
+        assert r["cast"] is not None and "dtype=torch.float16" in r["cast"] and r["unchanged"]
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["sharded", "shared"])

@@ -231,9 +231,18 @@ def test_fused_under_torch_distributed_warns():
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    hostembed.SparseAdam(emb.parameters(), fused=True)\n"
-        "print([str(w.message) for w in caught])\n"
+        "print('replicated', [str(w.message) for w in caught])\n"
+        "import hostembed.distributed as hd\n"
+        "sharded = hd.ShardedEmbedding(10, 4)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    hostembed.RowWiseAdagrad(sharded.parameters(), fused=True)\n"
+        "print('sharded', [str(w.message) for w in caught])\n"
         "dist.destroy_process_group()\n"
     )
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "SparseAdam(fused=True) under torch.distributed" in res.stdout
+    replicated, sharded = res.stdout.strip().splitlines()[-2:]
+    assert "SparseAdam(fused=True) under torch.distributed" in replicated
+    # A distributed module's table gets every rank's gradient: no warning.
+    assert sharded == "sharded []", sharded

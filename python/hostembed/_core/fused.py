@@ -68,13 +68,33 @@ class GpuGradient:
         return self.indices, self.values
 
 
-def warn_if_distributed(name):
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+class RowGradient:
+    """A table's gradient as the rows this process updates, summed and on
+    the CPU: what a table that several processes share
+    (HostTable.gradient_exchange) makes of a backward pass's gradients
+    once the processes have exchanged them; updated as an unfused step
+    would (repeated rows summed in order)."""
+
+    __slots__ = ("indices", "values")
+
+    def __init__(self, indices, values):
+        self.indices, self.values = indices, values
+
+    def wait(self):
+        return self.indices, self.values
+
+
+def warn_if_distributed(name, tables):
+    """A warning for tables a fused optimizer would update from each
+    process's own batch alone, under torch.distributed: those that are not
+    a distributed module's (HostTable.sharded)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and not all(
+            table.sharded for table in tables):
         warnings.warn(
             f"{name}(fused=True) under torch.distributed: each process updates its tables from its own "
             "batch in backward, with no all-reduce, and DistributedDataParallel cannot wrap a fused table "
             "(its reducer fails with 'Expected sparse gradient to be defined'). Use fused=False for "
-            "replicated tables", UserWarning, stacklevel=3)
+            "replicated tables, or hostembed.distributed's tables", UserWarning, stacklevel=4)
 
 
 def register(opt, tables, name):
@@ -83,6 +103,7 @@ def register(opt, tables, name):
     if any(optimizer_of(t) not in (None, opt) for t in tables):
         raise ValueError(f"{name}(fused=True): a hostembed table in these parameters is already updated in "
                          "backward by another fused optimizer; a table can have one")
+    warn_if_distributed(name, tables)
     for table in tables:
         table.fused_optimizer, table.fused = weakref.ref(opt), True
 
@@ -162,7 +183,10 @@ def _apply(task):
         pending, table.fused_pending = table.fused_pending, None
         opt = optimizer_of(table)
         if opt is not None and pending[1]:
-            by_optimizer.setdefault(id(opt), (opt, []))[1].append((table, pending[1]))
+            gradients = pending[1]
+            if table.gradient_exchange is not None:  # a collective: every process, tables in backward's order
+                gradients = [table.gradient_exchange(table, gradients)]
+            by_optimizer.setdefault(id(opt), (opt, []))[1].append((table, gradients))
     for opt, items in by_optimizer.values():
         many = getattr(opt, "_fused_update_many", None)
         if many is not None:

@@ -246,6 +246,17 @@ class HostTable:
         # backward makes weight.grad dense, as nn.Embedding(sparse=False)
         # does (optim/torch_optimizers.py). A plain flag forward reads.
         self.dense_gradient = False
+        # A table whose rows several processes share (the distributed
+        # SharedEmbedding): the rows [start, end) this process updates
+        # (None: all of them; Adam's step over every row keeps to them),
+        # and what makes a fused backward pass's gradients the rows this
+        # process updates, exchanged with the others (None: no exchange).
+        self.update_rows = None
+        self.gradient_exchange = None
+        # Whether the table holds a distributed module's rows (a shard, or
+        # a shared table): every process's gradient reaches it through the
+        # module's exchange, not an all-reduce.
+        self.sharded = False
         # The outstanding Embedding.prefetch (_prefetch.Prefetch), or None,
         # and what the last lookup that found one did with it.
         self.prefetch = None
@@ -326,6 +337,11 @@ class HostTable:
         old memory goes after the copy. Returns the new tensor; the caller
         points the weight at it. Optimizer state made before stays in the
         old compute dtype (an optimizer step then says so)."""
+        if self.update_rows is not None:
+            raise RuntimeError(f"hostembed: this table's rows are one copy that several processes share "
+                               f"(hostembed.distributed), all of them reading its {dtype_name(self.dtype)} rows; a "
+                               f"cast to {dtype_name(dtype)} would give this process a table of its own. Build the "
+                               f"table with dtype={dtype} instead")
         self.wait_for_gpu_use()
         self.prefetch = None  # its rows are in the old dtype
         old_buffer, old_tensor = self.buffer, self.tensor

@@ -1,11 +1,13 @@
-"""Checkpoints of models with ShardedEmbedding(Bag) tables, loaded into another
-number of ranks: each rank takes the rows of its new range from the files
-the old ranks wrote (hostembed.save, one file a rank), memory-mapped, so a
-rank reads only its rows."""
+"""Checkpoints of models with ShardedEmbedding(Bag) and SharedEmbedding
+tables, loaded into another number of ranks or hosts: each rank takes the
+rows of its new range from the files the old ranks wrote (hostembed.save,
+one file a rank), memory-mapped, so a rank reads only its rows."""
 import torch
+import torch.distributed as dist
 
 from ..io.stream import copy_rows
 from ..io.checkpoint import load as load_checkpoint
+from .shared_embedding import SharedEmbedding
 from .sharded_embedding import WHO, _RowSharded
 
 
@@ -13,33 +15,36 @@ def load_resharded(paths, model, optimizer=None):
     """Restores into `model` (and `optimizer`, one optimizer) the
     checkpoints that `len(paths)` ranks wrote with
     ``hostembed.save(path, model, optimizer)``, given in rank order, whatever
-    the number of ranks now: each ShardedEmbedding or ShardedEmbeddingBag
-    takes the rows of its range (and their optimizer state) from the files
-    that hold them; everything else comes from the first file. With as many
-    files as ranks, it is ``hostembed.load(paths[rank], model, optimizer)``.
+    the number of ranks (or hosts) now: each ShardedEmbedding or
+    ShardedEmbeddingBag takes the rows of its range (and their optimizer
+    state) from the files that hold them; each SharedEmbedding (alone, or a
+    host's rows under ``share_within_host=True``) has each rank write the
+    rows it updates into the shared copy and take their optimizer state;
+    everything else comes from the first file. Sharded tables alone, with
+    as many files as ranks: ``hostembed.load(paths[rank], model,
+    optimizer)``.
 
-    Across the single-process boundary, both ways: one file written by a
-    single process whose model has a plain table (``hostembed.Embedding``
-    or ``EmbeddingBag``, or torch's) where this model has a sharded one
-    (``emb.weight`` for ``emb.shard.weight``) loads into the ranks; and the
-    files of a sharded model load into a single process's model (no
-    torch.distributed needed) whose table at the same place is a plain
-    one, which gets every row. The models must otherwise be the same (the
-    optimizer's parameters in the same order).
+    Across the single-process boundary, both ways, for ShardedEmbedding(Bag)
+    without share_within_host: one file written by a single process whose
+    model has a plain table (``hostembed.Embedding`` or ``EmbeddingBag``,
+    or torch's) where this model has a sharded one (``emb.weight`` for
+    ``emb.shard.weight``) loads into the ranks; and the files of a sharded
+    model load into a single process's model (no torch.distributed needed)
+    whose table at the same place is a plain one, which gets every row.
+    The models must otherwise be the same (the optimizer's parameters in
+    the same order).
 
     The optimizer must be one hostembed or torch optimizer (not a list).
-    Raises ValueError when the files do not hold a sharded table's rows as
+    Raises ValueError when the files do not hold a table's rows as
     `len(paths)` ranks would have, before anything changes."""
     paths = [str(p) for p in paths]
-    sharded = [(name, m) for name, m in model.named_modules() if isinstance(m, _RowSharded)]
-    shared = [name for name, m in sharded if m._whole_group is not None]
-    if shared:
-        raise ValueError(f"{WHO}: load_resharded does not take tables made with share_within_host=True "
-                         f"({', '.join(repr(n) for n in shared)}): their ranks share one copy of a host's rows")
-    if sharded and len(paths) == sharded[0][1].world_size:
+    shared = [(name, m) for name, m in model.named_modules() if isinstance(m, SharedEmbedding)]
+    # Those with share_within_host are their SharedEmbedding shards' to load.
+    sharded = [(name, m) for name, m in model.named_modules() if isinstance(m, _RowSharded) and m._whole_group is None]
+    if not shared and sharded and len(paths) == sharded[0][1].world_size:
         return load_checkpoint(paths[sharded[0][1].rank], model, optimizer)
     files = [torch.load(p, map_location="cpu", mmap=True, weights_only=False) for p in paths]
-    slots = _slots(model, sharded, files[0]["model"], len(paths))
+    slots = _slots(model, sharded, files[0]["model"], len(paths)) if sharded or not shared else []
     state = dict(files[0]["model"])
     opt_state = None if optimizer is None else _empty_like_saved(files[0].get("optimizer"), paths[0])
     index = _param_indices(optimizer) if optimizer is not None else {}
@@ -52,17 +57,81 @@ def load_resharded(paths, model, optimizer=None):
                                  f"(got {None if part is None else list(part.shape)}): give the {len(paths)} "
                                  "ranks' checkpoints in rank order")
         state.pop(source, None)
-        state[target] = _rows(start, end, old, [f["model"][source] for f in files])
+        held = [(old[k], old[k + 1], f["model"][source], old[k]) for k, f in enumerate(files)]
+        state[target] = _rows(start, end, held)
         if optimizer is not None:
             i = index[param]
             saved = [f["optimizer"]["state"].get(i, {}) for f in files]
-            opt_state["state"][i] = {name_: (_rows(start, end, old, [s[name_] for s in saved])
-                                             if _per_row(value, old[1] - old[0]) else value)
-                                     for name_, value in saved[0].items()}
+            opt_state["state"][i] = {
+                name_: (_rows(start, end, [(lo, hi, s[name_], first) for (lo, hi, _, first), s in zip(held, saved)])
+                        if _per_row(value, old[1] - old[0]) else value)
+                for name_, value in saved[0].items()}
+    writes = [_shared_slot(name, module, files, paths, state, opt_state, index) for name, module in shared]
+    for write in writes:  # every file checked above: now the shared rows
+        write()
     model.load_state_dict(state)
     if optimizer is not None:
         optimizer.load_state_dict(opt_state)
+    for _, module in shared:  # every rank's rows written before any rank reads them
+        dist.barrier(group=module.process_group)
     return files[0].get("extra")
+
+
+def _shared_slot(name, module, files, paths, state, opt_state, index):
+    """A SharedEmbedding's part of load_resharded: checks that the files
+    hold the rows this rank updates and their optimizer state (from each
+    file's layout entry), puts the state into opt_state and the live table
+    into `state` (which load_state_dict then skips), and returns what
+    writes this rank's rows into the shared copy."""
+    prefix = f"{name}." if name else ""
+    key, layout_key = f"{prefix}table.weight", f"{prefix}_extra_state"
+    mine = module.get_extra_state()
+    first, _ = mine["table_rows"]
+    start, end = mine["state_rows"]
+    tables, states = [], []  # (first row held, end, tensor, its row 0's row) a file
+    for path, f in zip(paths, files):
+        layout, rows = f["model"].get(layout_key), f["model"].get(key)
+        if not isinstance(layout, dict) or rows is None:
+            raise ValueError(f"{WHO}: {path} holds no shared table {key!r} with its layout ({layout_key!r}): "
+                             "a checkpoint of shared tables loads into shared tables")
+        (t0, t1), (s0, s1) = layout["table_rows"], layout["state_rows"]
+        if tuple(rows.shape) != (t1 - t0, module.embedding_dim):
+            raise ValueError(f"{WHO}: {path} says {key!r} holds rows [{t0}, {t1}), but it is {list(rows.shape)}")
+        tables.append((t0, t1, rows, t0))
+        states.append((s0, s1, t0))
+    _check_covered(start, end, tables, key, "rows")
+    _check_covered(start, end, states, key, "optimizer state")
+    weight = module.table.weight
+    state[key], state[layout_key] = weight, mine
+    if opt_state is not None:
+        i = index[weight]
+        saved = [f["optimizer"]["state"].get(i, {}) for f in files]
+        entry = {}
+        for name_, value in saved[0].items():
+            if not _per_row(value, tables[0][2].shape[0]):
+                entry[name_] = value
+                continue
+            # The state is the whole table's shape; this rank's rows filled.
+            out = torch.zeros((module.num_embeddings, *value.shape[1:]), dtype=value.dtype)
+            _fill_rows(out[start - first:end - first], start, end,
+                       [(s0, s1, s[name_], t0) for (s0, s1, t0), s in zip(states, saved)])
+            entry[name_] = out
+        opt_state["state"][i] = entry
+
+    def write():
+        with torch.no_grad():
+            _fill_rows(weight.detach()[start - first:end - first], start, end, tables)
+    return write
+
+
+def _check_covered(start, end, held, key, what):
+    at = start
+    for lo, hi, *_ in sorted(held, key=lambda h: h[0]):
+        if lo <= at < hi:
+            at = hi
+    if at < end:
+        raise ValueError(f"{WHO}: no checkpoint holds the {what} of row {at} of {key!r} (this rank's rows are "
+                         f"[{start}, {end})): give every rank's checkpoint, in rank order")
 
 
 def _slots(model, sharded, saved, files):
@@ -96,19 +165,31 @@ def _slots(model, sharded, saved, files):
     return slots
 
 
-def _rows(start, end, old, parts):
-    """Rows [start, end) of the table whose rows [old[k], old[k + 1]) are
-    parts[k], read from only the parts that hold them."""
+def _rows(start, end, held):
+    """Rows [start, end) of a table put together from `held`: (first row,
+    end, tensor, the row its row 0 is) of each source (see _fill_rows)."""
+    parts = [h[2] for h in held]
     out = torch.empty((end - start, *parts[0].shape[1:]), dtype=parts[0].dtype)
-    for k, part in enumerate(parts):
-        lo, hi = max(start, old[k]), min(end, old[k + 1])
+    _fill_rows(out, start, end, held)
+    return out
+
+
+def _fill_rows(out, start, end, held):
+    """out[r - start] = row r for r in [start, end), each from the first of
+    `held` (first row, end, tensor, the row its row 0 is) that holds it,
+    read from only the parts that hold them."""
+    at = start
+    for lo, hi, part, first in sorted(held, key=lambda h: h[0]):
+        if not lo <= at < hi:
+            continue
+        lo, hi = at, min(end, hi)
         if lo < hi:
-            dst, src = out[lo - start:hi - start], part[lo - old[k]:hi - old[k]]
+            dst, src = out[lo - start:hi - start], part[lo - first:hi - first]
             if dst.dim() == 2:  # copy_rows releases a mapped file's pages as it goes
                 copy_rows(dst, src)
             else:  # a value per row: small
                 dst.copy_(src)
-    return out
+            at = hi
 
 
 def _per_row(value, rows):

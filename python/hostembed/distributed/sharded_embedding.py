@@ -50,8 +50,10 @@ class _RowSharded(nn.Module):
         if share_within_host:
             self.shard = SharedEmbedding(end - start, embedding_dim, local_padding, process_group=host_group,
                                          dtype=dtype, _weight=rows, _host=host)
+            self.shard._first_row = start
         else:
             self.shard = Embedding(end - start, embedding_dim, local_padding, sparse=sparse, dtype=dtype, _weight=rows)
+            self.shard._table.sharded = True  # its gradient comes from every rank's lookups: no all-reduce
 
     def _shard_weight(self):
         return self.shard.table.weight if isinstance(self.shard, SharedEmbedding) else self.shard.weight
@@ -162,8 +164,9 @@ class ShardedEmbedding(_RowSharded):
     ``share_within_host=True`` spreads the rows over the hosts instead of
     the ranks: host h of H holds rows ``[h * N // H, (h + 1) * N // H)`` as
     one :class:`SharedEmbedding` that all its ranks map (``self.shard``),
-    each rank updating its part of them (optimizers with ``fused=False``),
-    so a host holds its rows once whatever its number of ranks. A rank's
+    each rank updating its part of them (any optimizer, as for
+    SharedEmbedding), so a host holds its rows once whatever its number of
+    ranks. A rank's
     lookups go to the rank of the same local index on the owning host.
     Every host must run as many ranks (``ValueError`` otherwise); the
     ranks' host is their host name.

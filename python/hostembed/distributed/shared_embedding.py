@@ -1,5 +1,6 @@
 """SharedEmbedding: one copy of a table in a host's memory for all the
 ranks of a torch.distributed group on that host."""
+import functools
 import os
 import socket
 import tempfile
@@ -8,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._core.fused import RowGradient
+from .._core.ops import update as update_ops
 from .._core.table import HostTable, map_shared
 from ..io.stream import copy_rows
 from ..nn.embedding import Embedding
@@ -37,9 +40,12 @@ class SharedEmbedding(nn.Module):
     Every rank must call forward and backward the same number of times,
     like any collective.
 
-    Optimizers: hostembed's SparseAdam, SGD, Adagrad and RowWiseAdagrad
-    with ``fused=False`` (a fused update runs in backward, before the
-    exchange: refused at the first forward after it is made). Arguments
+    Optimizers: every hostembed optimizer, ``fused=True`` too (the ranks
+    then exchange their gradient rows when the backward pass ends, and each
+    updates its range there, bit for bit as unfused), and torch's that take
+    row-sparse gradients. Adam and AdamW (hostembed's, or torch's through
+    the swap) step every row of the rank's range, as torch steps every row
+    of a table. Arguments
     as :class:`hostembed.Embedding` (``num_embeddings``, ``embedding_dim``,
     ``padding_idx``, ``dtype``) and ``process_group`` (default: the
     world), whose ranks must all be on this host (``ValueError``
@@ -61,6 +67,10 @@ class SharedEmbedding(nn.Module):
         self.process_group, self.rank, self.world_size = group, rank, world
         self._bounds = torch.tensor(bounds, dtype=torch.int64)
         self.row_range = (bounds[rank], bounds[rank + 1])
+        # Which row of a bigger table is this table's row 0 (set by
+        # ShardedEmbedding(share_within_host=True)): what its checkpoints
+        # say they hold.
+        self._first_row = 0
         table = HostTable(num_embeddings, embedding_dim, dtype=dtype,
                           rows_buffer=_map_group_file(num_embeddings * embedding_dim * dtype.itemsize, group))
         self.table = Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype, _weight=UNINITIALISED)
@@ -75,6 +85,11 @@ class SharedEmbedding(nn.Module):
                     table.tensor[padding_idx].zero_()
         dist.barrier(group=group)
         self.table.weight.register_post_accumulate_grad_hook(self._exchange_gradient)
+        # What the optimizers read: the rows this rank updates, and (fused)
+        # how a backward pass's gradients become them. Not bound to the
+        # module: the table would hold it alive.
+        table.update_rows, table.sharded = self.row_range, True
+        table.gradient_exchange = functools.partial(_exchange_fused, self._bounds, group)
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, *, process_group=None):
@@ -87,10 +102,6 @@ class SharedEmbedding(nn.Module):
         return module
 
     def forward(self, input):
-        table = self.table._table
-        if table.fused:
-            raise NotImplementedError(f"{WHO}: a fused=True optimizer updates the rows in backward, before the "
-                                      "ranks' gradients are exchanged; use fused=False")
         # Every rank's last update is done before any rank reads.
         dist.barrier(group=self.process_group)
         return self.table(input)
@@ -100,23 +111,71 @@ class SharedEmbedding(nn.Module):
         rank's gradient, in rank order (the optimizers sum repeated rows in
         that order)."""
         grad = param.grad
+        if grad is None:  # a fused optimizer took the gradient: exchanged when the pass ends (_exchange_fused)
+            return
         if not grad.is_sparse:
             raise RuntimeError(f"{WHO}: the ranks exchange row-sparse gradients; this one is dense (an optimizer "
                                "that needs dense gradients cannot update a shared table)")
-        indices, values = grad._indices()[0], grad._values()
-        if indices.numel() > 1 and not bool((indices[1:] >= indices[:-1]).all()):
-            order = torch.argsort(indices, stable=True)  # several lookups' rows, concatenated
-            indices, values = indices[order], values[order]
-        send = split_by_owner(indices, self._bounds)
-        group = self.process_group
-        recv = exchange_counts(send, group)
-        mine, rows = exchange(indices, send, recv, group), exchange(values, send, recv, group)
+        mine, rows = _exchange_rows(grad._indices()[0], grad._values(), self._bounds, self.process_group)
         param.grad = torch.sparse_coo_tensor(mine.unsqueeze(0), rows, grad.shape)
+
+    def get_extra_state(self):
+        """Saved with the state dict: the rows of the whole table that this
+        table holds, and those this rank updates (whose optimizer state its
+        checkpoint holds), for load_resharded."""
+        start, end = self.row_range
+        first = self._first_row
+        return {"table_rows": (first, first + self.num_embeddings), "state_rows": (first + start, first + end)}
+
+    def set_extra_state(self, state):
+        problem = self.check_extra_state(state)
+        if problem is not None:
+            raise ValueError(problem)
+
+    def check_extra_state(self, state):
+        """None if a checkpoint with this extra state loads as it is (the
+        same rows, the same rank's optimizer state), else why not."""
+        mine = self.get_extra_state()
+        try:
+            theirs = {key: tuple(int(v) for v in state[key]) for key in mine}
+        except (TypeError, KeyError, ValueError):
+            return f"{WHO}: the checkpoint's layout entry {state!r} is not one a shared table writes"
+        if theirs != mine:
+            return (f"{WHO}: the checkpoint holds rows {theirs['table_rows']} with the optimizer state of rows "
+                    f"{theirs['state_rows']}, this rank's table rows {mine['table_rows']} and its state rows "
+                    f"{mine['state_rows']}: written by another number of ranks or hosts, it loads with "
+                    "hostembed.distributed.load_resharded")
+        return None
 
     def extra_repr(self):
         start, end = self.row_range
         return (f"{self.num_embeddings}, {self.embedding_dim}, one copy for {self.world_size} ranks, rank "
                 f"{self.rank} updates rows [{start}, {end})")
+
+
+def _exchange_rows(indices, values, bounds, group):
+    """(indices, rows): the gradient rows of this rank's range from every
+    rank's (indices, values), in rank order, each rank's in ascending
+    index order (stable: several lookups' rows, concatenated, keep their
+    order)."""
+    if indices.numel() > 1 and not bool((indices[1:] >= indices[:-1]).all()):
+        order = torch.argsort(indices, stable=True)
+        indices, values = indices[order], values[order]
+    send = split_by_owner(indices, bounds)
+    recv = exchange_counts(send, group)
+    return exchange(indices, send, recv, group), exchange(values, send, recv, group)
+
+
+def _exchange_fused(bounds, group, table, gradients):
+    """HostTable.gradient_exchange of a shared table: a fused backward
+    pass's lookup gradients, each reduced as its unfused backward would
+    (weight.grad's rows), concatenated in the order autograd would have
+    accumulated them, then exchanged as _exchange_gradient exchanges
+    weight.grad."""
+    parts = [update_ops.reduce_to_host(table, g) for g in gradients]
+    indices, values = parts[0] if len(parts) == 1 else (torch.cat([i for i, _ in parts]),
+                                                         torch.cat([v for _, v in parts]))
+    return RowGradient(*_exchange_rows(indices, values, bounds, group))
 
 
 def _map_group_file(nbytes, group):

@@ -449,6 +449,14 @@ def _check_model(path, saved, model, strict):
             problems.append(f"missing keys {missing}")
         if unexpected:
             problems.append(f"unexpected keys {unexpected}")
+    # A module that can say whether its saved extra state fits it
+    # (check_extra_state) says so now, before anything loads.
+    for name, module in model.named_modules(remove_duplicate=False):
+        key = f"{name}.{nn.modules.module._EXTRA_STATE_KEY_SUFFIX}".lstrip(".")
+        if key in saved and hasattr(module, "check_extra_state"):
+            problem = module.check_extra_state(saved[key])
+            if problem is not None:
+                problems.append(problem)
     tables = {}  # id(table) -> (key, parameter, table), the last key of a table named twice
     for key in sorted(set(own) & set(saved)):
         mine = own[key]

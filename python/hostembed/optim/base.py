@@ -209,8 +209,9 @@ class HostStep:
                 batch.append((p, record, (kind, p, state, gradients[0], hyper)))
             else:
                 # Several lookups of the table in one pass (one update of
-                # their summed gradient, as unfused), or GPU outputs (their
-                # sums copied to the host: these optimizers update on the CPU).
+                # their summed gradient, as unfused), GPU outputs (their
+                # sums copied to the host: these optimizers update on the
+                # CPU), or a shared table's rows after the exchange.
                 parts = [update_ops.reduce_to_host(table, g) for g in gradients]
                 self._host_update(p, table, group, torch.cat([i for i, _ in parts]),
                                   torch.cat([v for _, v in parts]))

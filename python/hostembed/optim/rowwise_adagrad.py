@@ -41,8 +41,6 @@ class RowWiseAdagrad(HostStep, torch.optim.Optimizer):
         for key, value in (("maximize", maximize), ("fused", fused)):
             if not isinstance(value, bool):
                 raise TypeError(f"RowWiseAdagrad: {key} must be a bool, got {value!r}")
-        if fused:
-            _fused.warn_if_distributed("RowWiseAdagrad")
         super().__init__(params, {"lr": lr, "eps": eps, "initial_accumulator_value": initial_accumulator_value,
                                   "maximize": maximize, "fused": fused})
 

@@ -73,8 +73,6 @@ class SparseAdam(torch.optim.SparseAdam):
             raise ValueError(f"SparseAdam: update must be one of {UPDATES}, got {update!r}")
         if not isinstance(fused, bool):
             raise TypeError(f"SparseAdam: fused must be a bool, got {type(fused).__name__}")
-        if fused:
-            _fused.warn_if_distributed("SparseAdam")
         # Before torch's __init__, which calls add_param_group.
         self.update, self.fused, self._weight_decay = update, fused, float(weight_decay)
         super().__init__(params, lr=lr, betas=betas, eps=eps, maximize=maximize)
@@ -232,11 +230,12 @@ class SparseAdam(torch.optim.SparseAdam):
         p, group = _fused.param_of(self, table)
         exp_avg, exp_avg_sq, step = self._table_state(p, table)
         hyper = self._hyper(group, step + 1)
-        if len(gradients) > 1:
+        if len(gradients) > 1 or isinstance(gradients[0], _fused.RowGradient):
             # One update of the summed gradient, as unfused: the reduced
             # gradients concatenated in the order autograd would have
-            # accumulated them; the core (or a cache) sums repeated rows in
-            # that order. A cache in GPU memory takes GPU sums as they are.
+            # accumulated them (or the rows a shared table's exchange gave);
+            # the core (or a cache) sums repeated rows in that order. A
+            # cache in GPU memory takes GPU sums as they are.
             on_gpu = table.cache is not None and table.cache.device.type == "cuda" and \
                 all(isinstance(g, _fused.GpuGradient) and g.values.device == table.cache.device for g in gradients)
             parts = [g.wait() if on_gpu else update_ops.reduce_to_host(table, g) for g in gradients]

@@ -228,8 +228,9 @@ def sparse_update_fused_many(updates) -> None:
 
 
 def reduce_to_host(table, gradient):
-    """A fused table's lookup gradient (_fused.CpuGradient or GpuGradient)
-    reduced as its unfused backward would: (indices, values) on the CPU."""
+    """A fused table's lookup gradient (_fused.CpuGradient, GpuGradient or
+    RowGradient) reduced as its unfused backward would: (indices, values)
+    on the CPU."""
     if isinstance(gradient, _fused.CpuGradient):
         indices, values = reduce_rows(gradient.ids, gradient.grad, table.num_rows, gradient.padding_idx,
                                        gradient.scale_grad_by_freq, gradient.dedup, gradient.bags, rounded=True)
@@ -254,7 +255,8 @@ def dense_adam(weight: Tensor, state, indices: Tensor, values: Tensor, *, lr: fl
                eps: float, weight_decay: float, step: int, decoupled: bool, amsgrad: bool, maximize: bool,
                name: str = "Adam") -> None:
     """torch.optim.Adam's step (AdamW's with decoupled) on every row of a
-    float32 or float64 host table, in place by the core's threads
+    float32 or float64 host table (of the rows this process updates, for
+    a table several share: table.update_rows), in place by the core's threads
     (csrc/dense_adam.h): rows `indices` with gradient rows `values` (in any
     order; repeats summed in position order, as the sparse update sums
     them), every other row with a zero gradient, so no dense gradient is
@@ -274,5 +276,5 @@ def dense_adam(weight: Tensor, state, indices: Tensor, values: Tensor, *, lr: fl
         _C.dense_adam(weight=table.buffer, state=buffers, num_rows=table.num_rows, dim=table.dim, dtype=table.code,
                       indices=address(indices), values=address(values), nnz=indices.numel(), lr=lr, beta1=beta1,
                       beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, decoupled=decoupled,
-                      amsgrad=amsgrad, maximize=maximize)
+                      amsgrad=amsgrad, maximize=maximize, rows=table.update_rows or (0, table.num_rows))
         table.rows_changed(None)
