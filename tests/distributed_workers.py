@@ -211,10 +211,14 @@ class _Tables(torch.nn.Module):
                 "step": int(state["step"])}
 
 
-def _train_steps(model, opt, steps, rank, world):
+def _train_steps(model, opt, steps, rank, world, slow_rank=None):
+    """slow_rank: that rank steps a moment late (nothing orders the ranks'
+    steps against another rank's save)."""
     for step in steps:
         ids, target = (t.tensor_split(world)[rank] for t in global_batch(step))
         (model.emb(ids) - target).pow(2).sum().backward()
+        if rank == slow_rank:
+            time.sleep(0.3)
         opt.step()
         opt.zero_grad()
 
@@ -235,10 +239,16 @@ def reshard(rank, world, checkpoints, written_by, kind="sharded", per_host=1):
             after = [t for t in model.state_dict().values() if torch.is_tensor(t)]
             refused = (refused, all(torch.equal(a, b) for a, b in zip(before, after)) and not opt.state)
         dist.barrier()
-    if written_by:
+    if written_by == world and kind != "sharded":
+        # The same layout: each rank loads its own file, and of a shared
+        # table only the rows it updates.
+        hostembed.load(os.path.join(checkpoints, f"rank{rank}.pt"), model, opt)
+    elif written_by:
         hd.load_resharded([os.path.join(checkpoints, f"rank{r}.pt") for r in range(written_by)], model, opt)
     else:
-        _train_steps(model, opt, range(3), rank, world)
+        # The last rank's last update still running as the others save: a
+        # shared table's file holds its rows mid-update, which no load may take.
+        _train_steps(model, opt, range(3), rank, world, slow_rank=world - 1)
         hostembed.save(os.path.join(checkpoints, f"rank{rank}.pt"), model, opt)
     _train_steps(model, opt, range(3, 5), rank, world)
     return dict(model.own(opt), refused=refused)
@@ -352,6 +362,54 @@ def train_shared(rank, world, optimizer, fused):
             "unfused_table": pairs[-1][0].table.weight.detach().clone()}
 
 
+def on_device(rank, world, kind, backend):
+    """A table over the ranks with outputs on the GPU ("sharded", "shared",
+    or "bags": ShardedEmbeddingBag in sum mode), its traffic through
+    `backend` (a group of its own: "gloo" or "nccl"); SparseAdam, fused
+    for the shared table. What each rank owns after training, the device
+    its outputs were on, and (shared) the path its lookups took."""
+    torch.cuda.set_device(0)
+    group = dist.new_group(list(range(world)), backend=backend)
+    common = dict(freeze=False, process_group=group, device="cuda")
+    if kind == "shared":
+        emb = hd.SharedEmbedding.from_pretrained(initial_table(), **common)
+    elif kind == "bags":
+        emb = hd.ShardedEmbeddingBag.from_pretrained(initial_table(), mode="sum", **common)
+    else:
+        emb = hd.ShardedEmbedding.from_pretrained(initial_table(), **common)
+    opt = hostembed.SparseAdam(emb.parameters(), lr=0.01, fused=kind == "shared")
+    devices = set()
+    for step in range(STEPS):
+        ids, target = batch(step, rank)
+        out = emb(ids)
+        devices.add(str(out.device))
+        (out - (target.sum(1) if kind == "bags" else target).cuda()).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.barrier(group=group)
+    if kind == "shared":
+        weight, first, (start, end) = emb.table.weight, 0, emb.row_range
+    else:
+        weight, first, (start, end) = emb.shard.weight, emb.row_range[0], emb.row_range
+    state = opt.state[weight]
+    rows = slice(start - first, end - first)
+    return {"range": (start, end), "weight": weight.detach()[rows].clone(), "devices": sorted(devices),
+            "exp_avg": state["exp_avg"][rows].clone(),
+            "path": emb.table._last_lookup_path if kind == "shared" else None}
+
+
+def moves_and_casts(rank, world):
+    """ShardedEmbedding's .double() converts its shard and keeps the
+    outputs on the CPU; device="cuda" without CUDA is refused."""
+    emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False).double()
+    ids = torch.tensor([1, ROWS - 2])
+    out = emb(ids)
+    no_cuda = None if torch.cuda.is_available() else raised(RuntimeError, lambda: hd.ShardedEmbedding(
+        ROWS, DIM, device="cuda"))
+    return {"dtype": str(out.dtype), "device": str(out.device), "shard": str(emb.shard.weight.dtype),
+            "equal": torch.equal(out, initial_table().double()[ids]), "no_cuda": no_cuda}
+
+
 def shared_refusals(rank, world):
     out = {"hosts": raised(ValueError, lambda: hd.SharedEmbedding(ROWS, DIM, _host=f"host{rank}"))}
     emb = hd.SharedEmbedding.from_pretrained(initial_table(), freeze=False)
@@ -366,7 +424,7 @@ JOBS = {"train": train, "out_of_range": out_of_range, "mismatched": mismatched, 
         "reshard": reshard, "load_foreign": load_foreign, "rank_dies": rank_dies,
         "train_shared": train_shared, "shared_refusals": shared_refusals, "train_bags": train_bags,
         "train_host_sharded": train_host_sharded, "uneven_hosts": uneven_hosts,
-        "shared_memory": shared_memory,
+        "shared_memory": shared_memory, "on_device": on_device, "moves_and_casts": moves_and_casts,
         "from_single_process": from_single_process}
 
 

@@ -343,6 +343,13 @@ def test_the_torchrun_example_trains_and_saves(tmp_path, shared):
     assert sorted(os.listdir(tmp_path)) == ["rank0.pt", "rank1.pt"]
 
 
+def test_a_cast_converts_the_shard_and_outputs_stay_where_they_were(tmp_path):
+    (r,) = run_ranks(1, "moves_and_casts", tmp_path)
+    assert (r["dtype"], r["device"], r["shard"], r["equal"]) == ("torch.float64", "cpu", "torch.float64", True)
+    if not torch.cuda.is_available():
+        assert "CUDA is not available" in r["no_cuda"]
+
+
 def test_needs_an_initialised_process_group():
     import hostembed.distributed as hd
 
@@ -350,3 +357,13 @@ def test_needs_an_initialised_process_group():
         pytest.skip("a process group is initialised in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         hd.ShardedEmbedding(10, 4)
+
+
+@pytest.mark.parametrize("backend, on_cpu", [("gloo", True), ("cpu:gloo,cuda:nccl", True), ("nccl", False),
+                                              ("cuda:nccl", False)])
+def test_the_traffic_goes_where_the_groups_backend_takes_tensors(monkeypatch, backend, on_cpu):
+    from hostembed.distributed import exchange
+
+    monkeypatch.setattr(exchange.dist, "get_backend", lambda group: backend)
+    monkeypatch.setattr(exchange.torch.cuda, "current_device", lambda: 3)
+    assert exchange.comm_device(None) == (torch.device("cpu") if on_cpu else torch.device("cuda", 3))

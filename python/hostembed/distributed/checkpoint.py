@@ -88,19 +88,21 @@ def _shared_slot(name, module, files, paths, state, opt_state, index):
     mine = module.get_extra_state()
     first, _ = mine["table_rows"]
     start, end = mine["state_rows"]
-    tables, states = [], []  # (first row held, end, tensor, its row 0's row) a file
+    # Each row, and its optimizer state, from the file of the rank that
+    # updated it: a file holds every row of its table, but another rank's
+    # may have been caught mid-update when it was saved.
+    owned = []  # (first row updated, end, the file's rows, the row its row 0 is) a file
     for path, f in zip(paths, files):
         layout, rows = f["model"].get(layout_key), f["model"].get(key)
         if not isinstance(layout, dict) or rows is None:
             raise ValueError(f"{WHO}: {path} holds no shared table {key!r} with its layout ({layout_key!r}): "
                              "a checkpoint of shared tables loads into shared tables")
         (t0, t1), (s0, s1) = layout["table_rows"], layout["state_rows"]
-        if tuple(rows.shape) != (t1 - t0, module.embedding_dim):
-            raise ValueError(f"{WHO}: {path} says {key!r} holds rows [{t0}, {t1}), but it is {list(rows.shape)}")
-        tables.append((t0, t1, rows, t0))
-        states.append((s0, s1, t0))
-    _check_covered(start, end, tables, key, "rows")
-    _check_covered(start, end, states, key, "optimizer state")
+        if tuple(rows.shape) != (t1 - t0, module.embedding_dim) or not t0 <= s0 <= s1 <= t1:
+            raise ValueError(f"{WHO}: {path} says {key!r} holds rows [{t0}, {t1}), those of [{s0}, {s1}) its "
+                             f"rank's, but it is {list(rows.shape)}")
+        owned.append((s0, s1, rows, t0))
+    _check_covered(start, end, owned, key)
     weight = module.table.weight
     state[key], state[layout_key] = weight, mine
     if opt_state is not None:
@@ -108,30 +110,30 @@ def _shared_slot(name, module, files, paths, state, opt_state, index):
         saved = [f["optimizer"]["state"].get(i, {}) for f in files]
         entry = {}
         for name_, value in saved[0].items():
-            if not _per_row(value, tables[0][2].shape[0]):
+            if not _per_row(value, owned[0][2].shape[0]):
                 entry[name_] = value
                 continue
             # The state is the whole table's shape; this rank's rows filled.
             out = torch.zeros((module.num_embeddings, *value.shape[1:]), dtype=value.dtype)
             _fill_rows(out[start - first:end - first], start, end,
-                       [(s0, s1, s[name_], t0) for (s0, s1, t0), s in zip(states, saved)])
+                       [(s0, s1, s[name_], t0) for (s0, s1, _, t0), s in zip(owned, saved)])
             entry[name_] = out
         opt_state["state"][i] = entry
 
     def write():
         with torch.no_grad():
-            _fill_rows(weight.detach()[start - first:end - first], start, end, tables)
+            _fill_rows(weight.detach()[start - first:end - first], start, end, owned)
     return write
 
 
-def _check_covered(start, end, held, key, what):
+def _check_covered(start, end, held, key):
     at = start
     for lo, hi, *_ in sorted(held, key=lambda h: h[0]):
         if lo <= at < hi:
             at = hi
     if at < end:
-        raise ValueError(f"{WHO}: no checkpoint holds the {what} of row {at} of {key!r} (this rank's rows are "
-                         f"[{start}, {end})): give every rank's checkpoint, in rank order")
+        raise ValueError(f"{WHO}: no checkpoint holds row {at} of {key!r} as the rank that updated it saved it "
+                         f"(this rank's rows are [{start}, {end})): give every rank's checkpoint, in rank order")
 
 
 def _slots(model, sharded, saved, files):

@@ -17,22 +17,38 @@ def split_by_owner(unique: torch.Tensor, bounds: torch.Tensor) -> list:
     return (edges[1:] - edges[:-1]).tolist()
 
 
+def comm_device(group) -> torch.device:
+    """Where a collective of `group` takes its tensors: the CPU, unless the
+    group's only backend is NCCL (then this process's current GPU). A
+    group made with backend "cpu:gloo,cuda:nccl" keeps the tables' traffic
+    on the CPU, where their rows are."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "cpu:" not in backend:  # "nccl", "cuda:nccl"
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def exchange_counts(send: list, group) -> list:
     """recv[r]: how many entries rank r sends here, for send[r] sent there."""
-    recv = torch.empty(len(send), dtype=torch.int64)
-    dist.all_to_all_single(recv, torch.tensor(send, dtype=torch.int64), group=group)
+    device = comm_device(group)
+    recv = torch.empty(len(send), dtype=torch.int64, device=device)
+    dist.all_to_all_single(recv, torch.tensor(send, dtype=torch.int64, device=device), group=group)
     return recv.tolist()
 
 
 def exchange(tensor: torch.Tensor, send: list, recv: list, group) -> torch.Tensor:
     """tensor's rows, send[r] of them to rank r in rank order; returns the
-    rows received, recv[r] from rank r in rank order."""
+    rows received, recv[r] from rank r in rank order, on tensor's device
+    (through the group's comm_device)."""
+    device = comm_device(group)
+    shape = (sum(recv), *tensor.shape[1:])
     # CPU buffers from the core's scratch cache: a fresh 30 MB tensor a step
     # costs more in page faults than the exchange itself.
-    shape = (sum(recv), *tensor.shape[1:])
-    out = scratch(*shape, dtype=tensor.dtype) if tensor.device.type == "cpu" else tensor.new_empty(shape)
-    dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out
+    out = scratch(*shape, dtype=tensor.dtype) if device.type == "cpu" else torch.empty(
+        shape, dtype=tensor.dtype, device=device)
+    dist.all_to_all_single(out, tensor.to(device).contiguous(), output_split_sizes=recv, input_split_sizes=send,
+                           group=group)
+    return out.to(tensor.device)
 
 
 class ExchangeRows(torch.autograd.Function):

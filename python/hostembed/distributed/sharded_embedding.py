@@ -11,7 +11,7 @@ from .._core.ids import prepare_ids
 from .._core.ops import cpu as cpu_ops
 from ..nn.embedding import Embedding
 from .agreement import agree, check_pretrained
-from .exchange import ExchangeRows, ExpandRows, exchange, split_by_owner
+from .exchange import ExchangeRows, ExpandRows, comm_device, exchange, split_by_owner
 from .shared_embedding import SharedEmbedding
 
 WHO = "hostembed.distributed.ShardedEmbedding"
@@ -25,8 +25,11 @@ class _RowSharded(nn.Module):
     _who = WHO
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx, process_group, sparse, dtype, _weight,
-                 flags=(), share_within_host=False, _host=None):
+                 flags=(), share_within_host=False, device=None, _host=None):
         super().__init__()
+        self._output_device = torch.device("cpu") if device is None else torch.device(device)
+        if self._output_device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"{self._who}(device={str(self._output_device)!r}): CUDA is not available")
         # _host: which host this rank is on, for tests that play several.
         host = (socket.gethostname() if _host is None else _host) if share_within_host else None
         agreed = agree(self._who, num_embeddings, embedding_dim, padding_idx, dtype, process_group, _weight,
@@ -58,6 +61,28 @@ class _RowSharded(nn.Module):
     def _shard_weight(self):
         return self.shard.table.weight if isinstance(self.shard, SharedEmbedding) else self.shard.weight
 
+    @property
+    def output_device(self) -> torch.device:
+        """Where forward's outputs land (the rows stay in host memory)."""
+        return self._output_device
+
+    def _apply(self, fn, recurse=True):
+        # .to()/.cuda()/.half() arrive here as fn over every tensor: a move
+        # sends the outputs there (the shard, its lookups and the exchange
+        # stay where the rows are); a cast converts the shard's rows.
+        dtype = self._shard_weight().dtype
+        probe = fn(torch.empty(0, device=self._output_device, dtype=dtype))
+        if probe.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"{self._who}: outputs on {probe.device} need CUDA, which is not available")
+        if probe.is_floating_point() and probe.dtype != dtype:
+            self.shard._apply(lambda t: fn(t).to("cpu"))
+        self._output_device = probe.device
+        return self
+
+    def _to_output(self, out):
+        device = self._output_device
+        return out if device.type == "cpu" else out.to(device)
+
     def _distinct_rows(self, flat):
         """(rows, dedup, unique, inverse) of this rank's flat ids: the rows
         of its distinct ids (ascending, `unique`) from their owners,
@@ -88,7 +113,8 @@ class _RowSharded(nn.Module):
         tells every rank the first id outside the table on each rank
         (first_bad: [id, position], position -1 for none): then every rank
         raises, before any id travels."""
-        out = torch.tensor([[count, *first_bad] for count in send], dtype=torch.int64)
+        device = comm_device(self.process_group)
+        out = torch.tensor([[count, *first_bad] for count in send], dtype=torch.int64, device=device)
         got = torch.empty_like(out)
         dist.all_to_all_single(got, out, group=self.process_group)
         for r, (_, bad_id, position) in enumerate(got.tolist()):
@@ -101,8 +127,9 @@ class _RowSharded(nn.Module):
         outside the table (first_bad: [id, position], position -1 for
         none), from one all-gather."""
         group = self._whole_group
-        got = torch.empty(dist.get_world_size(group), 2, dtype=torch.int64)
-        dist.all_gather_into_tensor(got, torch.tensor([first_bad], dtype=torch.int64), group=group)
+        device = comm_device(group)
+        got = torch.empty(dist.get_world_size(group), 2, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(got, torch.tensor([first_bad], dtype=torch.int64, device=device), group=group)
         for r, (bad_id, position) in enumerate(got.tolist()):
             if position >= 0:
                 self._raise_out_of_range(bad_id, position, r)
@@ -131,8 +158,10 @@ def _host_groups(group, hosts, who):
                          + ", ".join(f"{len(ranks)} on {name!r}" for name, ranks in zip(names, local)))
     glob = [dist.get_global_rank(group, r) if group is not dist.group.WORLD else r for r in range(len(hosts))]
     me = dist.get_rank(group)
-    host_groups = [dist.new_group([glob[r] for r in ranks]) for ranks in local]
-    cross_groups = [dist.new_group([glob[ranks[i]] for ranks in local]) for i in range(len(local[0]))]
+    backend = dist.get_backend(group)  # the traffic goes as the given group's would
+    host_groups = [dist.new_group([glob[r] for r in ranks], backend=backend) for ranks in local]
+    cross_groups = [dist.new_group([glob[ranks[i]] for ranks in local], backend=backend)
+                    for i in range(len(local[0]))]
     h = names.index(hosts[me])
     i = local[h].index(me)
     return host_groups[h], cross_groups[i], h, len(names)
@@ -145,7 +174,8 @@ class ShardedEmbedding(_RowSharded):
     ``self.shard``, and its optimizer updates only those rows.
 
     ``forward(ids)`` takes each rank's own ids and returns ``table[ids]``
-    on the CPU, as ``nn.Embedding`` would. Each rank's distinct ids go to
+    on ``device`` (the CPU by default), as ``nn.Embedding`` would. Each
+    rank's distinct ids go to
     the ranks that own them (one all-to-all), the owners look them up in
     their shards, and the rows come back (another); backward sends each
     row's gradient to its owner, where the shard's backward sums what every
@@ -172,24 +202,29 @@ class ShardedEmbedding(_RowSharded):
     ranks' host is their host name.
 
     Arguments as :class:`hostembed.Embedding` (``num_embeddings``,
-    ``embedding_dim``, ``padding_idx``, ``sparse``, ``dtype``), and
-    ``process_group`` (default: the world). A new table's shards are drawn
-    N(0, 1) rank by rank; :meth:`from_pretrained` shards given values.
+    ``embedding_dim``, ``padding_idx``, ``sparse``, ``dtype``, ``device``:
+    where the outputs land, as ``.to()`` moves them; the rows stay in host
+    memory), and ``process_group`` (default: the world). The ranks'
+    traffic goes through the group's backend: on the CPU with gloo (or a
+    group made with ``backend="cpu:gloo,cuda:nccl"``), through each rank's
+    current GPU with NCCL alone. A new table's shards are drawn N(0, 1)
+    rank by rank; :meth:`from_pretrained` shards given values.
     """
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, *, process_group=None, sparse=True,
-                 dtype=None, share_within_host=False, _weight=None, _host=None):
+                 dtype=None, share_within_host=False, device=None, _weight=None, _host=None):
         super().__init__(num_embeddings, embedding_dim, padding_idx, process_group, sparse, dtype, _weight,
-                         share_within_host=share_within_host, _host=_host)
+                         share_within_host=share_within_host, device=device, _host=_host)
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, *, process_group=None, sparse=True,
-                        share_within_host=False, _host=None):
+                        share_within_host=False, device=None, _host=None):
         """A table holding `embeddings` (the whole [N, D] table, the same on
         every rank), each rank keeping its own rows."""
         check_pretrained(WHO, embeddings)
         module = cls(*embeddings.shape, padding_idx, process_group=process_group, sparse=sparse,
-                     dtype=embeddings.dtype, share_within_host=share_within_host, _weight=embeddings, _host=_host)
+                     dtype=embeddings.dtype, share_within_host=share_within_host, device=device, _weight=embeddings,
+                     _host=_host)
         module._shard_weight().requires_grad_(not freeze)
         return module
 
@@ -198,4 +233,4 @@ class ShardedEmbedding(_RowSharded):
         flat = ids.reshape(-1)
         rows, dedup, _, inverse = self._distinct_rows(flat)
         out = ExpandRows.apply(rows, flat, dedup, inverse, self.num_embeddings)
-        return out.view(*ids.shape, self.embedding_dim)
+        return self._to_output(out.view(*ids.shape, self.embedding_dim))

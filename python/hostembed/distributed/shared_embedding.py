@@ -29,7 +29,10 @@ class SharedEmbedding(nn.Module):
     hold its own.
 
     ``forward(ids)`` looks each rank's own ids up straight from the shared
-    rows (no traffic), on the CPU. Each rank updates only the rows of its
+    rows (no traffic), into outputs on ``device`` (the CPU by default, as
+    ``.to()`` moves them; a GPU reads the shared rows through its own
+    registration of them, as hostembed.Embedding's GPU path reads a
+    table). Each rank updates only the rows of its
     range, ``[r * N // W, (r + 1) * N // W)``: after backward, the ranks
     exchange their gradient rows by range (all-to-all), so each rank's
     ``weight.grad`` holds the rows of its range from every rank's batch
@@ -45,15 +48,16 @@ class SharedEmbedding(nn.Module):
     updates its range there, bit for bit as unfused), and torch's that take
     row-sparse gradients. Adam and AdamW (hostembed's, or torch's through
     the swap) step every row of the rank's range, as torch steps every row
-    of a table. Arguments
-    as :class:`hostembed.Embedding` (``num_embeddings``, ``embedding_dim``,
-    ``padding_idx``, ``dtype``) and ``process_group`` (default: the
-    world), whose ranks must all be on this host (``ValueError``
-    otherwise; :class:`ShardedEmbedding` spreads a table over hosts).
+    of a table. Arguments as :class:`hostembed.Embedding`
+    (``num_embeddings``, ``embedding_dim``, ``padding_idx``, ``dtype``,
+    ``device``) and ``process_group`` (default: the world), whose ranks
+    must all be on this host (``ValueError`` otherwise;
+    :class:`ShardedEmbedding` spreads a table over hosts); its traffic (the
+    gradient rows) goes as :class:`ShardedEmbedding`'s does.
     """
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, *, process_group=None, dtype=None,
-                 _weight=None, _host=None):
+                 device=None, _weight=None, _host=None):
         super().__init__()
         # _host: which host this rank is on, for tests that play several.
         agreed = agree(WHO, num_embeddings, embedding_dim, padding_idx, dtype, process_group, _weight,
@@ -73,7 +77,8 @@ class SharedEmbedding(nn.Module):
         self._first_row = 0
         table = HostTable(num_embeddings, embedding_dim, dtype=dtype,
                           rows_buffer=_map_group_file(num_embeddings * embedding_dim * dtype.itemsize, group))
-        self.table = Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype, _weight=UNINITIALISED)
+        self.table = Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype, device=device,
+                               _weight=UNINITIALISED)
         self.table._use_table(table)
         start, end = self.row_range
         with torch.no_grad():  # each rank writes its own rows; then all of them may read
@@ -92,12 +97,12 @@ class SharedEmbedding(nn.Module):
         table.gradient_exchange = functools.partial(_exchange_fused, self._bounds, group)
 
     @classmethod
-    def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, *, process_group=None):
+    def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, *, process_group=None, device=None):
         """A shared table holding `embeddings` (the whole [N, D] table; each
         rank copies its range in)."""
         check_pretrained(WHO, embeddings)
         module = cls(*embeddings.shape, padding_idx, process_group=process_group, dtype=embeddings.dtype,
-                     _weight=embeddings)
+                     device=device, _weight=embeddings)
         module.table.weight.requires_grad_(not freeze)
         return module
 

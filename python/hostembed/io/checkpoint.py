@@ -302,7 +302,11 @@ class _Load:
                 table.wait_for_gpu_use()  # no kernel may still read the rows about to change
                 table.rows_changed(None)
                 done.append(f"the rows of '{key}'")
-                fill(table.tensor, saved_model[key], f"loading {key}")
+                # A table several processes share: each loads the rows it
+                # updates, which its own file holds as it left them (another
+                # process's rows there may have been caught mid-update).
+                start, end = table.update_rows or (0, table.num_rows)
+                fill(table.tensor[start:end], saved_model[key][start:end], f"loading {key}")
             for index, plan in enumerate(plans):
                 if plan is not None and plan.in_place_bytes():
                     done.append(f"the moments of optimizer [{index}]")
