@@ -254,20 +254,16 @@ def reshard(rank, world, checkpoints, written_by, kind="sharded", per_host=1):
     return dict(model.own(opt), refused=refused)
 
 
-def from_single_process(rank, world, plain, directory):
+def from_single_process(rank, world, plain, directory, kind="sharded", per_host=1):
     """Loads a single process's checkpoint (a plain table) into the ranks;
     the rows and state as loaded, then two steps and a checkpoint a rank."""
-    model = _Tables()
+    model = _Tables(kind, per_host)
     opt = hostembed.SparseAdam(model.parameters(), lr=0.01)
     hd.load_resharded([plain], model, opt)
-    state = opt.state[model.emb.shard.weight]
-    loaded = {"range": model.emb.row_range, "weight": model.emb.shard.weight.detach().clone(),
-              "exp_avg": state["exp_avg"].clone(), "exp_avg_sq": state["exp_avg_sq"].clone(),
-              "step": int(state["step"])}
+    loaded = model.own(opt)
     _train_steps(model, opt, range(3, 5), rank, world)
     hostembed.save(os.path.join(directory, f"rank{rank}.pt"), model, opt)
-    return {"loaded": loaded, "weight": model.emb.shard.weight.detach().clone(),
-            "exp_avg": opt.state[model.emb.shard.weight]["exp_avg"].clone()}
+    return dict(model.own(opt), loaded=loaded)
 
 
 def load_foreign(rank, world, directory):

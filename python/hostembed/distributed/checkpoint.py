@@ -24,13 +24,14 @@ def load_resharded(paths, model, optimizer=None):
     as many files as ranks: ``hostembed.load(paths[rank], model,
     optimizer)``.
 
-    Across the single-process boundary, both ways, for ShardedEmbedding(Bag)
-    without share_within_host: one file written by a single process whose
-    model has a plain table (``hostembed.Embedding`` or ``EmbeddingBag``,
-    or torch's) where this model has a sharded one (``emb.weight`` for
-    ``emb.shard.weight``) loads into the ranks; and the files of a sharded
-    model load into a single process's model (no torch.distributed needed)
-    whose table at the same place is a plain one, which gets every row.
+    Across the single-process boundary, both ways: one file written by a
+    single process whose model has a plain table (``hostembed.Embedding``
+    or ``EmbeddingBag``, or torch's) where this model has a sharded or
+    shared one (``emb.weight`` for ``emb.shard.weight``, ``emb.table.weight``
+    or ``emb.shard.table.weight``) loads into the ranks; and the files of
+    such a model load into a single process's model (no torch.distributed
+    needed) whose table at the same place is a plain one, which gets every
+    row.
     The models must otherwise be the same (the optimizer's parameters in
     the same order).
 
@@ -44,7 +45,9 @@ def load_resharded(paths, model, optimizer=None):
     if not shared and sharded and len(paths) == sharded[0][1].world_size:
         return load_checkpoint(paths[sharded[0][1].rank], model, optimizer)
     files = [torch.load(p, map_location="cpu", mmap=True, weights_only=False) for p in paths]
-    slots = _slots(model, sharded, files[0]["model"], len(paths)) if sharded or not shared else []
+    plain_from_shared = not shared and not sharded and any(_shared_keys(files[0]["model"]))
+    slots = _slots(model, sharded, files[0]["model"], len(paths)) if sharded or not (shared or plain_from_shared) \
+        else []
     state = dict(files[0]["model"])
     opt_state = None if optimizer is None else _empty_like_saved(files[0].get("optimizer"), paths[0])
     index = _param_indices(optimizer) if optimizer is not None else {}
@@ -66,7 +69,11 @@ def load_resharded(paths, model, optimizer=None):
                 name_: (_rows(start, end, [(lo, hi, s[name_], first) for (lo, hi, _, first), s in zip(held, saved)])
                         if _per_row(value, old[1] - old[0]) else value)
                 for name_, value in saved[0].items()}
-    writes = [_shared_slot(name, module, files, paths, state, opt_state, index) for name, module in shared]
+    if plain_from_shared:  # the files of shared tables into a single process's plain ones
+        _plain_from_shared(model, files, paths, state, opt_state, index)
+    modules = dict(model.named_modules())
+    writes = [_shared_slot(name, module, files, paths, state, opt_state, index, _plain_key(name, modules))
+              for name, module in shared]
     for write in writes:  # every file checked above: now the shared rows
         write()
     model.load_state_dict(state)
@@ -77,32 +84,21 @@ def load_resharded(paths, model, optimizer=None):
     return files[0].get("extra")
 
 
-def _shared_slot(name, module, files, paths, state, opt_state, index):
+def _shared_slot(name, module, files, paths, state, opt_state, index, plain_key):
     """A SharedEmbedding's part of load_resharded: checks that the files
     hold the rows this rank updates and their optimizer state (from each
-    file's layout entry), puts the state into opt_state and the live table
-    into `state` (which load_state_dict then skips), and returns what
-    writes this rank's rows into the shared copy."""
+    file's layout entry, or a single process's plain table at plain_key),
+    puts the state into opt_state and the live table into `state` (which
+    load_state_dict then skips), and returns what writes this rank's rows
+    into the shared copy."""
     prefix = f"{name}." if name else ""
     key, layout_key = f"{prefix}table.weight", f"{prefix}_extra_state"
     mine = module.get_extra_state()
     first, _ = mine["table_rows"]
     start, end = mine["state_rows"]
-    # Each row, and its optimizer state, from the file of the rank that
-    # updated it: a file holds every row of its table, but another rank's
-    # may have been caught mid-update when it was saved.
-    owned = []  # (first row updated, end, the file's rows, the row its row 0 is) a file
-    for path, f in zip(paths, files):
-        layout, rows = f["model"].get(layout_key), f["model"].get(key)
-        if not isinstance(layout, dict) or rows is None:
-            raise ValueError(f"{WHO}: {path} holds no shared table {key!r} with its layout ({layout_key!r}): "
-                             "a checkpoint of shared tables loads into shared tables")
-        (t0, t1), (s0, s1) = layout["table_rows"], layout["state_rows"]
-        if tuple(rows.shape) != (t1 - t0, module.embedding_dim) or not t0 <= s0 <= s1 <= t1:
-            raise ValueError(f"{WHO}: {path} says {key!r} holds rows [{t0}, {t1}), those of [{s0}, {s1}) its "
-                             f"rank's, but it is {list(rows.shape)}")
-        owned.append((s0, s1, rows, t0))
+    owned, source = _owned_rows(files, paths, key, module.embedding_dim, plain_key)
     _check_covered(start, end, owned, key)
+    state.pop(source, None)
     weight = module.table.weight
     state[key], state[layout_key] = weight, mine
     if opt_state is not None:
@@ -124,6 +120,75 @@ def _shared_slot(name, module, files, paths, state, opt_state, index):
         with torch.no_grad():
             _fill_rows(weight.detach()[start - first:end - first], start, end, owned)
     return write
+
+
+def _owned_rows(files, paths, key, dim, plain_key=None):
+    """([(first row, end, the file's rows, the row its row 0 is)] a file,
+    the key read): each row of a shared table `key` from the file of the
+    rank that updated it, as its layout entry says (a file holds every row
+    of its table, but another rank's may have been caught mid-update when
+    it was saved); or, from one file of a single process, every row of its
+    plain table at plain_key."""
+    layout_key = key[:-len("table.weight")] + "_extra_state"
+    if len(files) == 1 and layout_key not in files[0]["model"] and plain_key in files[0]["model"]:
+        rows = files[0]["model"][plain_key]
+        return [(0, rows.shape[0], rows, 0)], plain_key
+    owned = []
+    for path, f in zip(paths, files):
+        layout, rows = f["model"].get(layout_key), f["model"].get(key)
+        if not isinstance(layout, dict) or rows is None:
+            raise ValueError(f"{WHO}: {path} holds no shared table {key!r} with its layout ({layout_key!r})"
+                             + ("" if plain_key is None else f", nor a single process's {plain_key!r}"))
+        (t0, t1), (s0, s1) = layout["table_rows"], layout["state_rows"]
+        if tuple(rows.shape) != (t1 - t0, dim) or not t0 <= s0 <= s1 <= t1:
+            raise ValueError(f"{WHO}: {path} says {key!r} holds rows [{t0}, {t1}), those of [{s0}, {s1}) its "
+                             f"rank's, but it is {list(rows.shape)}")
+        owned.append((s0, s1, rows, t0))
+    return owned, key
+
+
+def _plain_key(name, modules):
+    """Where a single process's model keeps the plain table that the
+    SharedEmbedding `name` holds (all of it or, under a ShardedEmbedding
+    with share_within_host, its host's rows): `emb.weight` for `emb`'s
+    and for `emb.shard`'s."""
+    parent, _, last = name.rpartition(".")
+    if last == "shard" and isinstance(modules.get(parent), _RowSharded):
+        name = parent
+    return f"{name}.weight" if name else "weight"
+
+
+def _shared_keys(saved):
+    """The keys of the shared tables in a state dict (each with its layout)."""
+    return [k for k in saved if k.endswith("table.weight")
+            and isinstance(saved.get(k[:-len("table.weight")] + "_extra_state"), dict)]
+
+
+def _plain_from_shared(model, files, paths, state, opt_state, index):
+    """The files of a model with shared tables into a single process's
+    model whose tables at the same places are plain ones: each gets every
+    row, each from the file of the rank that updated it."""
+    params = dict(model.named_parameters())
+    for key in _shared_keys(files[0]["model"]):
+        prefix = key[:-len("table.weight")]
+        plain = prefix[:-len("shard.")] if prefix.endswith("shard.") else prefix
+        param = params.get(f"{plain}weight")
+        if param is None or param.dim() != 2:
+            raise ValueError(f"{WHO}: the files hold the shared table {key!r}, this model no plain table at "
+                             f"{plain + 'weight'!r} to load it into")
+        rows = param.shape[0]
+        owned, _ = _owned_rows(files, paths, key, param.shape[1])
+        _check_covered(0, rows, owned, key)
+        state.pop(key)
+        state.pop(f"{prefix}_extra_state")
+        state[f"{plain}weight"] = _rows(0, rows, owned)
+        if opt_state is not None:
+            i = index[param]
+            saved = [f["optimizer"]["state"].get(i, {}) for f in files]
+            opt_state["state"][i] = {
+                name_: (_rows(0, rows, [(s0, s1, s[name_], t0) for (s0, s1, _, t0), s in zip(owned, saved)])
+                        if _per_row(value, owned[0][2].shape[0]) else value)
+                for name_, value in saved[0].items()}
 
 
 def _check_covered(start, end, held, key):
