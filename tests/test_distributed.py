@@ -331,23 +331,24 @@ def test_a_shared_table_refuses_ranks_on_other_hosts_and_casts(tmp_path):
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["sharded", "shared"])
-def test_the_torchrun_example_trains_and_saves(tmp_path, shared):
+def test_the_torchrun_example_trains_saves_and_resumes_on_more_ranks(tmp_path, shared):
     example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                            "train_sharded.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", example,
-               "--steps", "3", "--users", "2000", "--items", "500", "--batch", "64",
-               "--checkpoint-dir", str(tmp_path)] + (["--shared"] if shared else [])
-    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "step 2: loss" in done.stdout
+
+    def torchrun(ranks, *extra):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                   example, "--steps", "3", "--users", "2000", "--items", "500", "--batch", "64",
+                   "--checkpoint-dir", str(tmp_path)] + (["--shared"] if shared else []) + list(extra)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "step 2: loss" in done.stdout
+        return done.stdout
+
+    torchrun(2)
     assert sorted(os.listdir(tmp_path)) == ["rank0.pt", "rank1.pt"]
-
-
-def test_a_cast_converts_the_shard_and_outputs_stay_where_they_were(tmp_path):
-    (r,) = run_ranks(1, "moves_and_casts", tmp_path)
-    assert (r["dtype"], r["device"], r["shard"], r["equal"]) == ("torch.float64", "cpu", "torch.float64", True)
-    if not torch.cuda.is_available():
-        assert "CUDA is not available" in r["no_cuda"]
+    # A user's restart on 3 ranks, the tables fused this time.
+    assert "resumed from 2 ranks' checkpoints" in torchrun(3, "--resume", "--fused")
+    assert sorted(os.listdir(tmp_path)) == ["rank0.pt", "rank1.pt", "rank2.pt"]
 
 
 def test_needs_an_initialised_process_group():
