@@ -402,8 +402,11 @@ def moves_and_casts(rank, world):
     out = emb(ids)
     no_cuda = None if torch.cuda.is_available() else raised(RuntimeError, lambda: hd.ShardedEmbedding(
         ROWS, DIM, device="cuda"))
+    # One rank looks up its own rows without the exchange, and still
+    # names a bad id the way the ranks do.
+    bad = raised(IndexError, emb, torch.tensor([4, ROWS + 3]))
     return {"dtype": str(out.dtype), "device": str(out.device), "shard": str(emb.shard.weight.dtype),
-            "equal": torch.equal(out, initial_table().double()[ids]), "no_cuda": no_cuda}
+            "equal": torch.equal(out, initial_table().double()[ids]), "no_cuda": no_cuda, "bad": bad}
 
 
 def shared_refusals(rank, world):

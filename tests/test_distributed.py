@@ -351,6 +351,14 @@ def test_the_torchrun_example_trains_saves_and_resumes_on_more_ranks(tmp_path, s
     assert sorted(os.listdir(tmp_path)) == ["rank0.pt", "rank1.pt", "rank2.pt"]
 
 
+def test_one_rank_casts_its_shard_keeps_outputs_on_the_cpu_and_names_a_bad_id(tmp_path):
+    (r,) = run_ranks(1, "moves_and_casts", tmp_path)
+    assert (r["dtype"], r["device"], r["shard"], r["equal"]) == ("torch.float64", "cpu", "torch.float64", True)
+    assert f"id {600 + 3} at position 1 of rank 0's ids" in r["bad"], r["bad"]
+    if not torch.cuda.is_available():
+        assert "CUDA is not available" in r["no_cuda"]
+
+
 def test_needs_an_initialised_process_group():
     import hostembed.distributed as hd
 

@@ -101,6 +101,10 @@ class _RowSharded(nn.Module):
         else:
             # The core's threaded sort, kept for backward's sums (ExpandRows).
             dedup, unique, inverse = cpu_ops.dedup_ids(flat, self.num_embeddings)
+        if self.world_size == 1:  # every row is this rank's: nothing travels
+            if bad.numel():
+                self._raise_out_of_range(*first_bad, 0)
+            return self.shard(unique), dedup, unique, inverse
         send = split_by_owner(unique, self._bounds)
         recv = self._counts_and_range_check(first_bad, send)
         group, start = self.process_group, self.row_range[0]

@@ -94,7 +94,8 @@ class SharedEmbedding(nn.Module):
         # how a backward pass's gradients become them. Not bound to the
         # module: the table would hold it alive.
         table.update_rows, table.sharded = self.row_range, True
-        table.gradient_exchange = functools.partial(_exchange_fused, self._bounds, group)
+        if world > 1:  # (one rank's gradient is its range's already: the fused pass as it is)
+            table.gradient_exchange = functools.partial(_exchange_fused, self._bounds, group)
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, *, process_group=None, device=None):
@@ -121,8 +122,10 @@ class SharedEmbedding(nn.Module):
         if not grad.is_sparse:
             raise RuntimeError(f"{WHO}: the ranks exchange row-sparse gradients; this one is dense (an optimizer "
                                "that needs dense gradients cannot update a shared table)")
+        if self.world_size == 1:  # its gradient is its range's already
+            return
         mine, rows = _exchange_rows(grad._indices()[0], grad._values(), self._bounds, self.process_group)
-        param.grad = torch.sparse_coo_tensor(mine.unsqueeze(0), rows, grad.shape)
+        param.grad = torch.sparse_coo_tensor(mine.unsqueeze(0), rows, grad.shape, check_invariants=False)
 
     def get_extra_state(self):
         """Saved with the state dict: the rows of the whole table that this
@@ -166,6 +169,8 @@ def _exchange_rows(indices, values, bounds, group):
     if indices.numel() > 1 and not bool((indices[1:] >= indices[:-1]).all()):
         order = torch.argsort(indices, stable=True)
         indices, values = indices[order], values[order]
+    if bounds.numel() == 2:  # one rank: every row is its own
+        return indices, values
     send = split_by_owner(indices, bounds)
     recv = exchange_counts(send, group)
     return exchange(indices, send, recv, group), exchange(values, send, recv, group)
