@@ -243,3 +243,33 @@ def test_hostembed_adam_refuses_half_tables_and_runs_hooks_once():
         for h in handles:
             h.remove()
     assert calls == ["pre", "post"]
+
+
+def test_adam_steps_only_the_rows_a_process_updates():
+    """A table whose rows several processes share (HostTable.update_rows,
+    set by hostembed.distributed.SharedEmbedding): Adam steps every row of
+    the range as torch steps the whole table, and no row outside it; a
+    gradient row outside the range is refused with nothing changed."""
+    torch.manual_seed(0)
+    start, end = 50, 120
+    ref = nn.Embedding(N, D, sparse=False)
+    ours = hostembed.Embedding.from_pretrained(ref.weight.detach(), freeze=False)
+    ours._table.update_rows = (start, end)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = hostembed.Adam(ours.parameters(), lr=1e-2, weight_decay=0.1)
+    before = ours.weight.detach().clone()
+    for ids in (torch.tensor([60, 61, 61, 100]), torch.tensor([119, 50])):
+        for emb, o in ((ref, ref_opt), (ours, opt)):
+            emb(ids).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    torch.testing.assert_close(ours.weight[start:end], ref.weight[start:end], rtol=2e-6, atol=1e-7)
+    outside = torch.cat([torch.arange(0, start), torch.arange(end, N)])
+    assert torch.equal(ours.weight.detach()[outside], before[outside])
+    trained = ours.weight.detach().clone()
+    state = {k: v.clone() for k, v in opt.state[ours.weight].items()}
+    ours(torch.tensor([10, 60])).sum().backward()
+    with pytest.raises(ValueError, match=r"outside the rows \[50, 120\)"):
+        opt.step()
+    assert torch.equal(ours.weight.detach(), trained)
+    assert all(torch.equal(v, opt.state[ours.weight][k]) for k, v in state.items())

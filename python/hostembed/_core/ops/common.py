@@ -74,8 +74,10 @@ def applier(function):
     lookup's, and does nothing for tensors that are not functorch's. Under
     a transform, function.apply itself (which refuses these Functions,
     having no setup_context, in torch's words)."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if active is None:  # a torch without that check: its own apply, always
+        return function.apply
     apply = super(torch.autograd.Function, function).apply
-    active = torch._C._are_functorch_transforms_active
 
     def call(*args):
         return function.apply(*args) if active() else apply(*args)

@@ -76,11 +76,12 @@ def pooled(weight, ids, offsets, per_sample_weights, options):
 
 class PooledTables(torch.autograd.Function):
     """Many tables' bags (sum or mean, no max_norm) pooled by one call of
-    the core (pooled_tables calls it); backward gives each table its gradient as PooledLookup does.
-    apply(specs, *weights, *per_sample_weights): specs holds a (ids,
-    offsets, include_last_offset, padding_idx, mean, scale_grad_by_freq,
-    sparse, table) per table, each weight checked to be its table's rows
-    (HostTableModule._prepare_weight) by the caller."""
+    the core (pooled_tables calls it); backward gives each table its
+    gradient as PooledLookup does. apply(specs, *weights,
+    *per_sample_weights): specs holds a (ids, offsets, include_last_offset,
+    padding_idx, mean, scale_grad_by_freq, sparse, table) per table, each
+    weight checked to be its table's rows (HostTableModule._prepare_weight)
+    by the caller."""
 
     @staticmethod
     def forward(ctx, specs, *tensors):
