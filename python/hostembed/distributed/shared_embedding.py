@@ -169,8 +169,6 @@ def _exchange_rows(indices, values, bounds, group):
     if indices.numel() > 1 and not bool((indices[1:] >= indices[:-1]).all()):
         order = torch.argsort(indices, stable=True)
         indices, values = indices[order], values[order]
-    if bounds.numel() == 2:  # one rank: every row is its own
-        return indices, values
     send = split_by_owner(indices, bounds)
     recv = exchange_counts(send, group)
     return exchange(indices, send, recv, group), exchange(values, send, recv, group)
