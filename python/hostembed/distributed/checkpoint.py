@@ -46,6 +46,8 @@ def load_resharded(paths, model, optimizer=None):
         return load_checkpoint(paths[sharded[0][1].rank], model, optimizer)
     files = [torch.load(p, map_location="cpu", mmap=True, weights_only=False) for p in paths]
     plain_from_shared = not shared and not sharded and any(_shared_keys(files[0]["model"]))
+    # The sharded tables' slots; or, for a plain model, the sharded tables
+    # of the files (those of shared tables: _plain_from_shared).
     slots = _slots(model, sharded, files[0]["model"], len(paths)) if sharded or not (shared or plain_from_shared) \
         else []
     state = dict(files[0]["model"])
