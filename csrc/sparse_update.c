@@ -405,6 +405,19 @@ static he_status first_failure(const he_status *status, char (*why)[256], int64_
     return HE_OK;
 }
 
+/* Runs fn over tables [0, count): side by side on the threads when every
+ * table is small (each then runs on one thread), else one after another,
+ * each table's own loop using every thread; then the first table that
+ * failed (status, why), named. */
+static he_status run_tables(int64_t count, int small, he_range_fn fn, void *job, const he_status *status,
+                            char (*why)[256])
+{
+    he_status st = small ? he_parallel_for(count, 1, fn, job) : HE_OK;
+    if (st == HE_OK && !small)
+        fn(job, 0, count);
+    return st == HE_OK ? first_failure(status, why, count) : st;
+}
+
 he_status he_sparse_update_fused_many(const he_fused_update *updates, int64_t count)
 {
     if (count < 0)
@@ -441,11 +454,7 @@ he_status he_sparse_update_fused_many(const he_fused_update *updates, int64_t co
         small &= bytes < HE_PARALLEL_MIN_BYTES;
     }
     many_job job = {work, status, why};
-    st = small ? he_parallel_for(count, 1, run_updates, &job) : HE_OK;
-    if (st == HE_OK && !small)
-        run_updates(&job, 0, count);
-    if (st == HE_OK)
-        st = first_failure(status, why, count);
+    st = run_tables(count, small, run_updates, &job, status, why);
 done:
     for (int64_t i = 0; dedups && positions && i < count; i++) {
         he_dedup_free(dedups[i]);
@@ -502,11 +511,7 @@ he_status he_sparse_update_many(const he_sparse_update_job *jobs, int64_t count)
         st = he_fail(HE_ERR_NOMEM, "no memory for an update of %" PRId64 " tables", count);
     } else {
         update_many_job job = {jobs, status, why};
-        st = small ? he_parallel_for(count, 1, run_sparse_updates, &job) : HE_OK;
-        if (st == HE_OK && !small)
-            run_sparse_updates(&job, 0, count);
-        if (st == HE_OK)
-            st = first_failure(status, why, count);
+        st = run_tables(count, small, run_sparse_updates, &job, status, why);
     }
     free(status);
     free(why);

@@ -67,7 +67,7 @@ def main():
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)  # the same dense weights on every rank
     table = functools.partial(hd.SharedEmbedding if args.shared else hd.ShardedEmbedding, device=device)
     model = RecModel(args.users, args.items, args.dim, table)
