@@ -186,12 +186,15 @@ fi
 # this tree's build failed.
 if (( BUILT )); then
     run import 60 "$PY" -c "import hostembed as h; print(h.__file__, 'cuda_compiled', h.cuda_compiled(), 'cuda_available', h.cuda_available()); assert h.cuda_available()"
-    run gpu_tests 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --durations 15
     # The most telling stages first: a short lease may end before the rest.
-    # shellcheck disable=SC2086  # GPU_ARGS is a list of words
-    run benchmark 330 "$PY" benchmarks/gpu.py --rows "$ROWS" --json "$OUT/gpu.json" ${GPU_ARGS:-}
+    # The row cache in GPU memory: its tests, its planner against the CPU's
+    # (recorded for CI's replay, tests/fixtures/gpu_cache_plans.pt), the
+    # reference stream, the seeds' model with and without a cache.
+    run cache_gpu_tests 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_cache_gpu.py
+    run plan_record 60 "$PY" benchmarks/cache_plan_record.py "$OUT/gpu_cache_plans.pt"
     run cache_benchmark 330 "$PY" benchmarks/cache_step.py --rows "$ROWS" --prefetch --json "$OUT/cache_step.json"
-    run profile 150 "$PY" benchmarks/gpu_profile.py
+    run compare 200 "$PY" benchmarks/compare.py --cache-fraction 1 --out "$OUT/compare"
+    run gpu_tests 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --durations 15
     SANITIZER=${SANITIZER:-$(command -v compute-sanitizer)}
     for dir in "${CUDA_HOME:-/usr/local/cuda}/bin" /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
         [[ -z $SANITIZER && -x $dir/compute-sanitizer ]] && SANITIZER=$dir/compute-sanitizer
@@ -204,6 +207,9 @@ if (( BUILT )); then
         STAGES+=("sanitizer|NOT RUN: compute-sanitizer not found (set SANITIZER=path)|0")
         FAILED=1
     fi
+    run profile 150 "$PY" benchmarks/gpu_profile.py --prefetch --setups "fused,cache 1.0,cache 0.2"
+    # shellcheck disable=SC2086  # GPU_ARGS is a list of words
+    run benchmark 330 "$PY" benchmarks/gpu.py --rows "$ROWS" --json "$OUT/gpu.json" ${GPU_ARGS:-}
     # The GPU tests again without torch's caching allocator: every output
     # and workspace is then a fresh cudaMalloc, so a kernel that writes
     # nothing cannot pass on a buffer an earlier lookup left the right rows
@@ -230,13 +236,15 @@ for s in "${STAGES[@]}"; do
     echo "| $name | $status | $secs |"
 done
 echo
-for name in gpu_tests gpu_tests_no_caching other_tests; do
+for name in cache_gpu_tests gpu_tests gpu_tests_no_caching other_tests; do
     # pytest's last line: "3 failed, 80 passed, 2 skipped, ... in 12.01s"
     [[ -f $OUT/$name.log ]] && echo "$name: $(grep -E '^=* ?[0-9]+ [a-z]+.* in [0-9.]+s' "$OUT/$name.log" | tail -n 1)"
 done
 grep -H "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT/sanitizer.log" "$OUT/racecheck.log" 2>/dev/null
 [[ -f $OUT/benchmark.log ]] && sed -n '/^## hostembed GPU path/,$p' "$OUT/benchmark.log"
+[[ -f $OUT/plan_record.log ]] && cat "$OUT/plan_record.log"
 [[ -f $OUT/cache_benchmark.log ]] && sed -n '/^## row cache/,$p' "$OUT/cache_benchmark.log"
+[[ -f $OUT/compare.log ]] && grep -E '^\| [0-9]\.' "$OUT/compare.log"
 if (( FAILED )); then
     echo "gpu_check: SOME STAGES FAILED OR DID NOT RUN (see the table above and $OUT/*.log)"
     exit 1

@@ -62,6 +62,11 @@ int heb_buffer_converter(PyObject *obj, void *out);
  * bytes): 0, or -1 with ValueError set naming the argument. */
 int heb_buffer_table(const heb_buffer *buf, long long num_rows, long long dim, int dtype, he_table *out);
 
+/* cuda_ops.c, with HE_WITH_CUDA: the device address of a registered
+ * [num_rows, dim] float32 table in `buf` (its shape checked against the
+ * buffer); 0, or -1 with ValueError set. */
+int heb_device_rows(const heb_buffer *buf, long long num_rows, long long dim, he_table *host, void **device_rows);
+
 /* Registration, called once from PyInit__C: each adds its types and
  * functions to the module; 0 on success, -1 with an exception set. */
 /* bag_ops.c: a bag batch tuple (its layout there) into out; -1 with an
@@ -74,6 +79,7 @@ int heb_cpu_ops_add(PyObject *module);     /* cpu_ops.c: Dedup, gather, grad_red
 int heb_bag_ops_add(PyObject *module);     /* bag_ops.c: pool_bags, bag_positions */
 int heb_cache_add(PyObject *module);       /* cache.c: CachePlanner */
 int heb_cuda_ops_add(PyObject *module);    /* cuda_ops.c: cuda_*; adds nothing without HE_WITH_CUDA */
+int heb_cuda_cache_add(PyObject *module);  /* cuda_cache.c: cuda_cache_*; likewise */
 
 /* A METH_VARARGS | METH_KEYWORDS function in a PyMethodDef: through
  * void (*)(void), which -Wcast-function-type accepts as "any function". */

@@ -27,8 +27,7 @@ static int heb_check_workspace_bytes(long long workspace_bytes)
  * HostBuffer: ValueError if the shape does not fit the buffer, or if the
  * buffer is not registered (an empty table needs no registration: NULL,
  * which no kernel dereferences). 0, or -1 with the exception set. */
-static int heb_device_rows(const heb_buffer *buf, long long num_rows, long long dim, he_table *host,
-                           void **device_rows)
+int heb_device_rows(const heb_buffer *buf, long long num_rows, long long dim, he_table *host, void **device_rows)
 {
     *device_rows = NULL;
     if (heb_buffer_table(buf, num_rows, dim, HE_F32, host) < 0)

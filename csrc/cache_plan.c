@@ -4,31 +4,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "he_cache_policy.h"
 #include "thread_pool.h"
-
-enum { ENTRY_SLOT_BITS = 28, AGE_PERIOD = 10 };
-#define ENTRY_SLOT_MASK ((1u << ENTRY_SLOT_BITS) - 1u)
-#define ENTRY_FREQ_MAX (UINT32_MAX >> ENTRY_SLOT_BITS)
-
-static inline uint32_t entry_slot_plus1(uint32_t e)
-{
-    return e & ENTRY_SLOT_MASK;
-}
-
-static inline uint32_t entry_freq(uint32_t e)
-{
-    return e >> ENTRY_SLOT_BITS;
-}
 
 struct he_cache {
     int64_t num_rows;
     int64_t capacity;
     int protect;
-    /* Per row: slot + 1 in the low ENTRY_SLOT_BITS bits (0 when not
-     * cached) and, above them, how often the row was used lately (batches
-     * using it, saturating, halved every AGE_PERIOD batches). One word a
-     * row, so the pass over a batch reads and writes one place per row;
-     * calloc'd, so the rows never used cost no memory. */
+    /* Per row: its entry (include/he_cache_policy.h). One word a row, so
+     * the pass over a batch reads and writes one place per row; calloc'd,
+     * so the rows never used cost no memory. */
     uint32_t *entry;
     int64_t *row_of;     /* [capacity]; -1: empty */
     int64_t *used_at;    /* [capacity]: the last batch that used the slot */
@@ -47,11 +32,11 @@ struct he_cache {
 he_status he_cache_new(int64_t num_rows, int64_t capacity, int protect, he_cache **out)
 {
     *out = NULL;
-    if (num_rows < 0 || capacity < 1 || capacity >= (int64_t)ENTRY_SLOT_MASK || (protect != 1 && protect != 2))
+    if (num_rows < 0 || capacity < 1 || capacity >= (int64_t)HE_CACHE_SLOT_MASK || (protect != 1 && protect != 2))
         return he_fail(HE_ERR_VALUE,
                        "a cache needs num_rows >= 0, 1 <= capacity < %" PRId64 " and protect 1 or 2, got %" PRId64
                        ", %" PRId64 " and %d",
-                       (int64_t)ENTRY_SLOT_MASK, num_rows, capacity, protect);
+                       (int64_t)HE_CACHE_SLOT_MASK, num_rows, capacity, protect);
     he_cache *c = calloc(1, sizeof *c);
     if (!c)
         return he_fail(HE_ERR_NOMEM, "could not allocate a cache");
@@ -122,18 +107,19 @@ void he_cache_plan_free(he_cache_plan *plan)
 
 enum { AHEAD_ENTRY = 16, AHEAD_SLOT = 8 }; /* prefetch distances, in rows and slots */
 
-/* The slot the CLOCK hand settles on for a miss used `freq` times lately:
- * an empty one (*evicted = -1), or the next unprotected one without its
- * second chance, whose row is evicted (*evicted) if the miss was used
- * more often lately; else the row stays and the miss bypasses the cache
- * (-2). -1 once the batch's sweep budget is spent. */
-static int64_t take_slot(he_cache *c, uint32_t freq, int64_t *budget, int64_t *evicted)
+/* The slot the hand settles on for a miss whose entry is miss_entry
+ * (include/he_cache_policy.h says how): an empty one (*evicted = -1), or
+ * an occupied one whose row is evicted (*evicted), if the policy admits
+ * the miss; -2 when it does not (the miss bypasses the cache, the slot
+ * keeps its row); -1 once the batch's rounds are spent. Every slot the
+ * hand meets counts against *visits, settled on or not: the GPU's planner
+ * decides a round of the hand at once, and the two stop at the same place. */
+static int64_t take_slot(he_cache *c, uint32_t miss_entry, int64_t *visits, int64_t *evicted)
 {
-    /* The budget counts the slots passed over, not the one settled on: a
-     * miss turned away costs the batch's later misses no sweep. */
-    for (;; (*budget)--) {
-        if (*budget <= 0)
+    for (;;) {
+        if (*visits <= 0)
             return -1;
+        (*visits)--;
         int64_t s = c->hand;
         c->hand = s + 1 == c->capacity ? 0 : s + 1;
         /* An evicted row's entry is read and written at random: ask for
@@ -141,19 +127,15 @@ static int64_t take_slot(he_cache *c, uint32_t freq, int64_t *budget, int64_t *e
         int64_t ahead = (s + AHEAD_SLOT) % c->capacity;
         if (c->row_of[ahead] >= 0)
             __builtin_prefetch(&c->entry[c->row_of[ahead]], 1);
-        if (c->row_of[s] < 0) {
-            *evicted = -1;
-            return s;
-        }
-        if (c->used_at[s] > c->batch - c->protect)
-            continue; /* in use by a batch in flight, or by this one */
-        if (c->referenced[s]) {
-            c->referenced[s] = 0;
+        int64_t row = c->row_of[s];
+        if (!he_cache_eligible(row, c->used_at[s], c->referenced[s], c->batch, c->protect)) {
+            if (he_cache_loses_reference(row, c->used_at[s], c->referenced[s], c->batch, c->protect))
+                c->referenced[s] = 0;
             continue;
         }
-        if (entry_freq(c->entry[c->row_of[s]]) >= freq)
+        if (!he_cache_admits(miss_entry, row, row >= 0 ? c->entry[row] : 0))
             return -2;
-        *evicted = c->row_of[s];
+        *evicted = row;
         return s;
     }
 }
@@ -178,16 +160,15 @@ static void hits_range(void *ctx, int64_t begin, int64_t end)
         if (k + AHEAD_ENTRY < end)
             __builtin_prefetch(&c->entry[unique[k + AHEAD_ENTRY]], 1);
         if (k + AHEAD_SLOT < end) {
-            uint32_t ahead = entry_slot_plus1(c->entry[unique[k + AHEAD_SLOT]]);
+            uint32_t ahead = he_cache_entry_slot1(c->entry[unique[k + AHEAD_SLOT]]);
             if (ahead) {
                 __builtin_prefetch(&c->used_at[ahead - 1], 1);
                 __builtin_prefetch(&c->referenced[ahead - 1], 1);
             }
         }
         uint32_t *e = &c->entry[unique[k]];
-        if (entry_freq(*e) < ENTRY_FREQ_MAX)
-            *e += 1u << ENTRY_SLOT_BITS;
-        uint32_t s1 = entry_slot_plus1(*e);
+        *e = he_cache_entry_used(*e);
+        uint32_t s1 = he_cache_entry_slot1(*e);
         job->slot[k] = (int32_t)s1 - 1;
         if (s1) {
             c->used_at[s1 - 1] = c->batch;
@@ -196,12 +177,11 @@ static void hits_range(void *ctx, int64_t begin, int64_t end)
     }
 }
 
-/* Every AGE_PERIOD batches each row's frequency halves: "lately". */
 static void age_range(void *ctx, int64_t begin, int64_t end)
 {
     uint32_t *entry = ctx;
     for (int64_t r = begin; r < end; r++)
-        entry[r] = (entry[r] & ENTRY_SLOT_MASK) | ((entry_freq(entry[r]) >> 1) << ENTRY_SLOT_BITS);
+        entry[r] = he_cache_entry_aged(entry[r]);
 }
 
 he_status he_cache_plan_batch(he_cache *c, const int64_t *unique, int64_t num_unique, he_cache_plan *plan)
@@ -228,13 +208,13 @@ he_status he_cache_plan_batch(he_cache *c, const int64_t *unique, int64_t num_un
         c->bypass_room = num_unique;
     }
     int64_t batch = ++c->batch;
-    if (batch % AGE_PERIOD == 0)
+    if (he_cache_ages(batch))
         he_parallel_for(c->num_rows, 1 << 16, age_range, c->entry);
     /* Hits first: they are protected before any miss looks for a slot. */
     hits_job job = {c, unique, plan->slot};
     he_parallel_for(num_unique, 4096, hits_range, &job);
     /* Then misses, ascending: each takes the slot the hand settles on. */
-    int64_t budget = 3 * c->capacity, prev = 0, num_bypass = 0, hits = 0;
+    int64_t visits = HE_CACHE_ROUNDS * c->capacity, prev = 0, num_bypass = 0, hits = 0;
     plan->num_fetch = plan->num_evict = 0;
     for (int64_t k = 0; k < num_unique; k++) {
         if (k + AHEAD_ENTRY < num_unique)
@@ -244,17 +224,17 @@ he_status he_cache_plan_batch(he_cache *c, const int64_t *unique, int64_t num_un
             continue;
         }
         int64_t row = unique[k], evicted = -1;
-        int64_t s = take_slot(c, entry_freq(c->entry[row]), &budget, &evicted);
+        int64_t s = take_slot(c, c->entry[row], &visits, &evicted);
         if (s < 0) {
             c->next_bypass[num_bypass++] = row;
             continue;
         }
         if (evicted >= 0) {
-            c->entry[evicted] &= ~ENTRY_SLOT_MASK;
+            c->entry[evicted] = he_cache_entry_uncached(c->entry[evicted]);
             plan->evict_slot[plan->num_evict] = (int32_t)s;
             plan->evict_row[plan->num_evict++] = evicted;
         }
-        c->entry[row] = (c->entry[row] & ~ENTRY_SLOT_MASK) | ((uint32_t)s + 1);
+        c->entry[row] = he_cache_entry_with_slot(c->entry[row], s);
         c->row_of[s] = row;
         c->used_at[s] = batch;
         c->referenced[s] = 1;
@@ -282,7 +262,7 @@ he_status he_cache_plan_batch(he_cache *c, const int64_t *unique, int64_t num_un
 
 int32_t he_cache_slot_of(const he_cache *c, int64_t row)
 {
-    return row >= 0 && row < c->num_rows ? (int32_t)entry_slot_plus1(c->entry[row]) - 1 : -1;
+    return row >= 0 && row < c->num_rows ? (int32_t)he_cache_entry_slot1(c->entry[row]) - 1 : -1;
 }
 
 he_status he_cache_slots_of(const he_cache *c, const int64_t *rows, int64_t n, int32_t *slots)
@@ -292,7 +272,7 @@ he_status he_cache_slots_of(const he_cache *c, const int64_t *rows, int64_t n, i
             return he_fail(HE_ERR_INDEX, "row %" PRId64 " at %" PRId64 " is not in [0, %" PRId64 ")", rows[i], i,
                            c->num_rows);
     for (int64_t i = 0; i < n; i++)
-        slots[i] = (int32_t)entry_slot_plus1(c->entry[rows[i]]) - 1;
+        slots[i] = (int32_t)he_cache_entry_slot1(c->entry[rows[i]]) - 1;
     return HE_OK;
 }
 

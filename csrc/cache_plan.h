@@ -3,17 +3,17 @@
  * state), and for each batch, what must move so that its rows are there.
  *
  * Host table ids are dense row numbers, so the planner needs no hash
- * table: slot_of[row] answers "cached, and where" with one load. It runs
- * on the CPU, on the unique rows of a batch (the Dedup the core builds
- * anyway), and hands the device only the moves; the same planner drives
- * the CPU emulation that the tests check bit for bit against an uncached
- * table.
+ * table: slot_of[row] answers "cached, and where" with one load. This
+ * planner runs on the CPU, one miss after another: it plans for caches of
+ * host-memory records, and it is the host twin of the GPU's planner
+ * (cuda/cache.cu), which keeps the same state in GPU memory and decides a
+ * whole round of the hand at once. Both follow include/he_cache_policy.h
+ * and make the same decisions (a GPU test compares them batch by batch).
  *
- * Policy: CLOCK (second chance, an LRU approximation) picks the victim,
- * and frequency decides admission: every row counts the batches that used
- * it (4 bits beside its slot number, halved every 10 batches), and a miss
- * takes the victim's slot only if it was used more often lately than the
- * victim's row; else it bypasses the cache. Measured on the reference
+ * Policy (include/he_cache_policy.h): CLOCK (second chance, an LRU
+ * approximation) picks the victim, and frequency decides admission: a
+ * miss takes the victim's slot only if it was used more often lately than
+ * the victim's row; else it bypasses the cache. Measured on the reference
  * stream (benchmarks/cache_plan.py), admission raised the hit rate of a
  * cache of 80% of the rows a replayed stream touches from 39% to 73%, and
  * cut the records moved a step 4.5x; plain CLOCK lets the stream's long
@@ -21,10 +21,10 @@
  * A slot used by one of the last `protect` batches planned (the one being
  * planned included) is never evicted: 1 when a batch is planned after the
  * previous step finished, 2 when it is planned a step ahead (look-ahead),
- * while the previous step may still read and update its slots. When no
- * slot can be had, the rest of the batch's misses bypass the cache: they
- * are read and updated in host memory, as without a cache (also those
- * admission turns away). */
+ * while the previous step may still read and update its slots. When the
+ * hand has gone round twice, the rest of the batch's misses bypass the
+ * cache: they are read and updated in host memory, as without a cache
+ * (also those admission turns away). */
 #ifndef HE_CACHE_PLAN_H
 #define HE_CACHE_PLAN_H
 

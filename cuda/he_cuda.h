@@ -118,6 +118,96 @@ he_status he_cuda_sparse_adam(float *weight, float *exp_avg, float *exp_avg_sq, 
                               const int64_t *indices, const float *values, int64_t nnz,
                               const he_adam_params *hp, int device, void *stream);
 
+/* ---- cache.cu: a row cache whose records and planner live in GPU memory */
+
+/* The planner's state, in GPU memory: the same arrays as the CPU planner's
+ * (csrc/cache_plan.c, its host twin), following include/he_cache_policy.h. */
+typedef struct he_cuda_cache {
+    uint32_t *entry;     /* [num_rows]: each row's entry (slot + 1, recent uses) */
+    int64_t num_rows;
+    int64_t *row_of;     /* [capacity]: the row in each slot, -1: empty */
+    int64_t *used_at;    /* [capacity]: the last batch that used the slot */
+    uint8_t *referenced; /* [capacity]: CLOCK's second chance */
+    int64_t capacity;
+    int64_t *counters;   /* [HE_CUDA_CACHE_COUNTERS], see below */
+    int protect;         /* 1 or 2, as the CPU planner's */
+} he_cuda_cache;
+
+/* counters[]: the hand and a plan's bookkeeping, then counts since the
+ * cache was made (bypassed rows = rows - hits - fetches). */
+enum {
+    HE_CUDA_CACHE_HAND,
+    HE_CUDA_CACHE_BASE,   /* misses met by the rounds so far */
+    HE_CUDA_CACHE_MISSES, /* this batch's misses */
+    HE_CUDA_CACHE_STOP,   /* where the hand settled last in a round */
+    HE_CUDA_CACHE_BATCHES,
+    HE_CUDA_CACHE_ROWS,
+    HE_CUDA_CACHE_HITS,
+    HE_CUDA_CACHE_FETCHES,
+    HE_CUDA_CACHE_EVICTIONS,
+    HE_CUDA_CACHE_COUNTERS
+};
+
+/* One batch's plan, in device arrays sized for its n unique rows: slot[k]
+ * is unique[k]'s slot (-1: it bypasses the cache); miss[0..misses) the
+ * positions k of the batch's misses, ascending (misses in
+ * counters[HE_CUDA_CACHE_MISSES]); evict_row[j] the row whose record the
+ * j-th miss's slot held and writes back (-1: none). A miss with a slot
+ * fetches its record into it after that write-back. */
+typedef struct he_cuda_cache_batch {
+    int32_t *slot;
+    int64_t *miss;
+    int64_t *evict_row;
+} he_cuda_cache_batch;
+
+/* The records and the host rows they cache: count arrays (the weight,
+ * then the optimizer state), records[i] [capacity, dim] in device memory,
+ * host[i] the device address of registered host rows [num_rows, dim]. */
+#define HE_CUDA_CACHE_ARRAYS 3
+typedef struct he_cuda_cache_arrays {
+    float *records[HE_CUDA_CACHE_ARRAYS];
+    float *host[HE_CUDA_CACHE_ARRAYS];
+    int count;
+    int64_t dim;
+} he_cuda_cache_arrays;
+
+/* Bytes of device scratch he_cuda_cache_plan needs for n rows. */
+he_status he_cuda_cache_plan_workspace(int64_t n, int64_t capacity, int device, size_t *bytes);
+
+/* Plans batch number `batch` (1, 2, ...: one more than the last) whose
+ * unique rows are unique[0..n) (ascending, distinct, in range: a
+ * he_cuda_dedup's), as csrc/cache_plan.c would, entirely on the stream:
+ * nothing waits for the device. */
+he_status he_cuda_cache_plan(const he_cuda_cache *c, const int64_t *unique, int64_t n, int64_t batch,
+                             const he_cuda_cache_batch *plan, void *workspace, size_t workspace_bytes, int device,
+                             void *stream);
+
+/* Carries out a plan's moves: each miss given a slot writes the slot's
+ * record back to its old row (when it held one), then reads its own row's
+ * record into it, over the mapping, every array of `a`. It must follow its
+ * plan with no he_cuda_cache_adam between them: the plan has already put
+ * the new rows in the map, and an update would find a new row in a slot
+ * that still holds the old row's record. */
+he_status he_cuda_cache_move(const he_cuda_cache *c, const he_cuda_cache_arrays *a, const int64_t *unique, int64_t n,
+                             const he_cuda_cache_batch *plan, int device, void *stream);
+
+/* out[k] = unique[k]'s row of array 0 (the weight): from its slot, or over
+ * the mapping where it bypasses the cache. */
+he_status he_cuda_cache_gather(const he_cuda_cache_arrays *a, const int64_t *unique, const int32_t *slot, int64_t n,
+                               float *out, int device, void *stream);
+
+/* SparseAdam (sparse_adam.cu's arithmetic) of rows indices[0..nnz)
+ * (distinct, in range) with gradient rows values [nnz, dim]: each in its
+ * slot if the cache holds it now, else in host memory over the mapping.
+ * a: weight, exp_avg, exp_avg_sq. */
+he_status he_cuda_cache_adam(const he_cuda_cache *c, const he_cuda_cache_arrays *a, const int64_t *indices,
+                             const float *values, int64_t nnz, const he_adam_params *hp, int device, void *stream);
+
+/* Every occupied slot's record of each array of `a`: written to its host
+ * row (to_host), or read from it. */
+he_status he_cuda_cache_sync_records(const he_cuda_cache *c, const he_cuda_cache_arrays *a, int to_host, int device,
+                                     void *stream);
+
 #ifdef __cplusplus
 }
 #endif

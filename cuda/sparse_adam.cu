@@ -6,33 +6,8 @@
  * same order with the same per-step scalars (he_adam_make_consts), every
  * operation rounded on its own, sqrt and division correctly rounded: the
  * same bits as the CPU core. */
+#include "he_cuda_adam.cuh"
 #include "he_cuda_common.cuh"
-
-static __device__ __forceinline__ void adam_element(float g_in, float &w, float &m, float &v, const he_adam_consts &c)
-{
-    float g = __fmul_rn(g_in, c.sign);
-    float u1 = __fmul_rn(__fsub_rn(g, m), c.one_minus_beta1);
-    float u2 = __fmul_rn(__fsub_rn(__fmul_rn(g, g), v), c.one_minus_beta2);
-    float m1 = __fadd_rn(m, u1);
-    float v1 = __fadd_rn(v, u2);
-    float denom = __fadd_rn(__fsqrt_rn(v1), c.eps);
-    m = m1;
-    v = v1;
-    w = __fadd_rn(__fmul_rn(w, c.decay), __fmul_rn(__fdiv_rn(m1, denom), c.neg_step_size));
-}
-
-static __device__ __forceinline__ void adam_vector(float g, float &w, float &m, float &v, const he_adam_consts &c)
-{
-    adam_element(g, w, m, v, c);
-}
-
-static __device__ __forceinline__ void adam_vector(float4 g, float4 &w, float4 &m, float4 &v, const he_adam_consts &c)
-{
-    adam_element(g.x, w.x, m.x, v.x, c);
-    adam_element(g.y, w.y, m.y, v.y, c);
-    adam_element(g.z, w.z, m.z, v.z, c);
-    adam_element(g.w, w.w, m.w, v.w, c);
-}
 
 /* Flat (row, column chunk) items as in gather.cu; the three loads of an
  * item are independent, so each thread has three PCIe reads in flight. */
@@ -45,7 +20,7 @@ __global__ void adam_rows(V *__restrict__ weight, V *__restrict__ exp_avg, V *__
         int64_t k = i / chunks;
         int64_t at = indices[k] * chunks + (i - k * chunks);
         V w = weight[at], m = exp_avg[at], v = exp_avg_sq[at];
-        adam_vector(values[i], w, m, v, c);
+        he_adam_vector(values[i], w, m, v, c);
         weight[at] = w;
         exp_avg[at] = m;
         exp_avg_sq[at] = v;

@@ -7,6 +7,9 @@ still in use, and with evictions every step.
 Every test checks that the records were in GPU memory and updated there
 (the cache moves them to host memory for an optimizer without a GPU
 update, which would give the same values)."""
+import pathlib
+import sys
+
 import pytest
 import torch
 
@@ -178,3 +181,46 @@ def test_bad_ids_raise_and_change_nothing_on_the_gpu():
     with pytest.raises(IndexError):
         cached(torch.tensor([1, ROWS], device="cuda"))
     assert cached.cache_stats == stats and torch.equal(cached.weight, before)
+
+
+# ---- the planner on the GPU, and a step that never waits for it
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+import cache_plan_record  # noqa: E402  (benchmarks/ on the path first)
+
+
+@pytest.mark.parametrize("config", cache_plan_record.CONFIGS, ids=lambda c: f"capacity{c['capacity']}")
+def test_the_gpu_planner_makes_the_cpu_planners_decisions(config):
+    gpu = cache_plan_record.gpu_decisions(config)
+    assert sum(len(evicted) for _, _, evicted in gpu[0]) > 0 or config["capacity"] >= 2500
+    assert cache_plan_record.differences(gpu, cache_plan_record.cpu_decisions(config)) == []
+
+
+def test_a_step_planned_ahead_never_makes_the_host_wait_but_for_the_dedup():
+    # torch raises on any op that waits for the GPU (sync debug mode); the
+    # dedup's own wait (in the extension) is the one the cache counts.
+    (plain, plain_opt), (cached, opt) = _gpu_pair(fused=True)
+    batches = [ids.cuda() for ids in _batches(30)]
+    grads = [torch.randn(*ids.shape, DIM, device="cuda") for ids in batches]
+    cache = cached._table.cache
+    cached.prefetch(batches[0])
+    for b, ids in enumerate(batches):
+        waits = cache.host_waits
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            cached(ids).backward(grads[b])
+            if b + 1 < len(batches):
+                cached.prefetch(batches[b + 1])
+            opt.step()
+            opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert cached._table.prefetch_outcome == "taken: planned ahead"
+        assert cache.host_waits - waits == (1 if b + 1 < len(batches) else 0)
+        plain(ids.cpu()).backward(grads[b].cpu())
+        plain_opt.step()
+        plain_opt.zero_grad()
+    _assert_records_on_gpu(cached, opt)
+    stats = cached.cache_stats
+    assert stats["evictions"] > 0 and stats["bypassed"] > 0
+    _assert_same([(plain, plain_opt), (cached, opt)])

@@ -103,14 +103,17 @@ class Embedding(HostTableModule, nn.Embedding):
         prefetch, and the call does nothing.
 
         With a row cache (any output device), it plans the batch of `ids`
-        in the cache and brings in its rows, those this step's update
-        changes in host memory excepted (the lookup brings them in after
-        the update); the lookup of those ids then finds its rows in place.
+        in the cache and brings in its rows (on the CPU, those this step's
+        update changes in host memory excepted: the lookup brings them in
+        after the update); the lookup of those ids then finds its rows in
+        place. With the cache in GPU memory, the ids' dedup (the one wait
+        for the GPU of a cached step) happens here, so the lookup waits for
+        nothing.
         """
         self._prepare_weight()
         if self._table.cache is not None:
             if self.max_norm is None:
-                _lookup_cached.plan_ahead(self._table, ids)
+                _lookup_cached.plan_ahead(self._table, ids, -1 if self.padding_idx is None else self.padding_idx)
             return
         if self._output_device.type != "cpu":
             raise NotImplementedError(

@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import nn
 
+from .._cache.gpu_cache import GpuRowCache
 from .._cache.row_cache import RowCache
 from .._core.cuda import require_cuda, resolve_device, unavailable_reason
 from .._core.ops.common import CUDA_COMPILED
@@ -102,8 +103,9 @@ class HostTableModule:
         table.cache = None
         table.twin_wanted = False  # a cached GPU lookup asked for it; the optimizer asks again at its step
         if self._cache_rows and table.num_rows:
-            table.cache = RowCache(table, min(self._cache_rows, table.num_rows), lookahead=True,
-                                   device=self._cache_device())
+            capacity, device = min(self._cache_rows, table.num_rows), self._cache_device()
+            table.cache = GpuRowCache(table, capacity, device=device) if device.type == "cuda" \
+                else RowCache(table, capacity, lookahead=True)
 
     def _cache_device(self):
         """Where the cache's records live: on the GPU the outputs go to, for

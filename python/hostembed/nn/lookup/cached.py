@@ -1,14 +1,20 @@
 """The lookup of a table with a row cache (Embedding(cache_rows=N)): the
-batch's unique rows are planned (_cache.RowCache), read from their slots
-or, where they bypass the cache, from host memory, and expanded to the
-ids' positions; backward is the uncached one (the gradient's rows summed
-per unique id), and the optimizers' updates go through the cache
+batch's unique rows are planned, read from their slots or, where they
+bypass the cache, from host memory, and expanded to the ids' positions;
+backward is the uncached one (the gradient's rows summed per unique id),
+and the optimizers' updates go through the cache
 (_core.ops.update.sparse_update).
 
-Look-ahead: prefetch(ids) plans the next batch a step early, while this
-one's update is still to come; its fetches that must see that update (rows
-it changes in host memory) are done by the lookup of those ids. A lookup
-of other ids first completes the planned batch, then plans its own.
+A cache in GPU memory (_cache.GpuRowCache) plans on the GPU: the ids'
+dedup there is the only wait of the host, and prefetch(ids) does it (and
+the plan, and the moves) for the next batch while this step still runs,
+so that the lookup of those ids waits for nothing.
+
+A cache of host records (_cache.RowCache) plans on the CPU. Look-ahead:
+prefetch(ids) plans the next batch a step early, while this one's update
+is still to come; its fetches that must see that update (rows it changes
+in host memory) are done by the lookup of those ids. A lookup of other
+ids first completes the planned batch, then plans its own.
 
 Eager only (a graph break under torch.compile): planning changes the
 cache on every call, which a traced graph cannot express."""
@@ -16,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..._cache.gpu_cache import GpuRowCache
 from ..._core import fused as _fused
 from ..._core.ids import check_ids, prepare_ids
 from ..._core.ops import common as common_ops, cpu as cpu_ops, gpu as gpu_ops
@@ -29,20 +36,26 @@ class _Planned(NamedTuple):
     plan: object
 
 
-def plan_ahead(table, ids) -> None:
+class _PlannedOnDevice(NamedTuple):
+    ids: torch.Tensor       # as given, and a copy: a lookup of the same ids takes the plan
+    version: int
+    copy: torch.Tensor
+    padding_idx: int
+    dedup: tuple            # gpu_ops.gpu_dedup's
+    plan: object            # the cache's CachePlanOnDevice
+
+
+def plan_ahead(table, ids, padding_idx=-1) -> None:
     """Embedding.prefetch for a cached table: the batch of `ids` planned,
-    its fetches started (those waiting for this step's update excepted)."""
+    its fetches started (on the CPU planner: those waiting for this step's
+    update excepted)."""
     finish_planned(table)
     cache = table.cache
-    if cache.device.type == "cuda":
-        # The lookup dedups on the GPU and takes a plan made for the same
-        # distinct rows (_gpu_plan): only those are needed, found on the
-        # GPU too rather than by a dedup of the whole batch on the CPU. An
-        # id outside the table raises IndexError in the planner.
+    if isinstance(cache, GpuRowCache):
         check_ids(ids)
-        unique = torch.unique(ids.to(cache.device)).to("cpu", torch.int64)
-        with table.lock:
-            table.planned = _Planned(None, None, unique, None, cache.plan(unique))
+        with torch.cuda.device(cache.device):
+            dedup, plan = _dedup_and_plan(table, ids, cache.device, padding_idx)
+        table.planned = _PlannedOnDevice(ids, ids._version, ids.detach().clone(), padding_idx, dedup, plan)
         return
     ids = prepare_ids(ids).clone()  # the caller may refill its tensor before the lookup
     dedup, unique, inverse = cpu_ops.dedup_ids(ids, table.num_rows)
@@ -50,13 +63,45 @@ def plan_ahead(table, ids) -> None:
         table.planned = _Planned(ids, dedup, unique, inverse, cache.plan(unique))
 
 
+def _dedup_and_plan(table, ids, device, padding_idx):
+    """(gpu_dedup's outputs, the plan) of the batch of ids through a GPU
+    cache: the dedup waits for the device once (the unique count sizes
+    the batch; a bad id raises IndexError here, before anything is
+    planned), the plan and its moves are queued on the stream."""
+    cache = table.cache
+    dedup = gpu_ops.gpu_dedup(table, ids, device, padding_idx)
+    cache.host_waits += 1
+    unique, (num_unique, _) = dedup[1], dedup[5]
+    with table.lock:
+        plan = cache.plan_batch(unique, num_unique)
+    return dedup, plan
+
+
+def _device_batch(table, ids, device, padding_idx):
+    """The planned batch if it is these ids, else a new one."""
+    planned, table.planned = table.planned, None
+    if isinstance(planned, _PlannedOnDevice) and planned.padding_idx == padding_idx \
+            and planned.ids.shape == ids.shape and planned.ids.dtype == ids.dtype:
+        if planned.ids is ids and ids._version == planned.version and ids.device.type != "cpu":
+            same = True  # comparing GPU ids would wait for the device
+        else:
+            if ids.device.type != "cpu" or planned.copy.device.type != "cpu":
+                table.cache.host_waits += 1
+            same = torch.equal(planned.copy, ids.to(planned.copy.device))
+        if same:
+            table.prefetch_outcome = "taken: planned ahead"
+            return planned.dedup, planned.plan
+    return _dedup_and_plan(table, ids, device, padding_idx)
+
+
 def finish_planned(table):
     """The batch planned ahead, its waiting fetches done, or None."""
     planned, table.planned = table.planned, None
-    if planned is not None:
+    if isinstance(planned, _Planned):
         with table.lock:
             table.cache.finish(planned.plan)
-    return planned
+        return planned
+    return None
 
 
 def _batch(table, ids):
@@ -80,16 +125,6 @@ def _plan_now(table, unique):
     return plan
 
 
-def _gpu_plan(table, unique):
-    """The plan of a GPU lookup whose distinct rows are `unique` (CPU): the
-    one made ahead for the same rows, else a new one."""
-    planned = finish_planned(table)
-    if planned is not None and torch.equal(planned.unique, unique):
-        table.prefetch_outcome = "taken: planned ahead"
-        return planned.plan
-    return _plan_now(table, unique)
-
-
 class _CachedLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, ids, padding_idx, scale_grad_by_freq, sparse, table, device):
@@ -107,22 +142,19 @@ class _CachedLookup(torch.autograd.Function):
 
 
 class _CachedGpuLookup(torch.autograd.Function):
-    """A lookup with GPU outputs through a cache whose records are in GPU
-    memory: the ids' dedup and the gradient's sums run on the GPU (the
-    uncached GPU path's kernels, the same bits), only the distinct rows go
-    to the planner on the CPU, hits are read from the records, and the
-    rows that bypass the cache come from host memory."""
+    """A lookup with GPU outputs through a cache in GPU memory: the ids'
+    dedup and the gradient's sums run on the GPU (the uncached GPU path's
+    kernels, the same bits), the batch is planned there, hits are read from
+    the records and the rows that bypass the cache over the mapping."""
 
     @staticmethod
     def forward(ctx, weight, ids, padding_idx, scale_grad_by_freq, sparse, table, device):
         cache = table.cache
         with torch.cuda.device(device):
-            count, unique, offsets, order, inverse, (num_unique, padding_slot) = gpu_ops.gpu_dedup(
-                table, ids, device, padding_idx)
-            unique_host = unique[:num_unique].cpu()
-            plan = _gpu_plan(table, unique_host)
+            dedup, plan = _device_batch(table, ids, device, padding_idx)
+            count, unique, offsets, order, inverse, (num_unique, padding_slot) = dedup
             with table.lock:
-                rows = cache.rows(plan, unique_host)
+                rows = cache.gather(plan, unique, num_unique)
             out = torch.empty(*ids.shape, table.dim, dtype=torch.float32, device=device)
             torch.index_select(rows, 0, inverse, out=out.view(count, table.dim))
         info = torch.tensor([num_unique, padding_slot], dtype=torch.int64)
@@ -140,6 +172,7 @@ class _CachedGpuLookup(torch.autograd.Function):
         if table.fused and _fused.optimizer_of(table) is not None:
             indices, values = gpu_ops.gpu_reduce(table, grad_out, unique, offsets, order, inverse, info,
                                               scale_grad_by_freq)
+            _note_distinct(table, indices)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(values.device))
             if _fused.take_gradient(table, _fused.GpuGradient(indices, values, ready)):
@@ -149,8 +182,15 @@ class _CachedGpuLookup(torch.autograd.Function):
         table.twin_wanted = True
         indices, values = gpu_ops.gpu_grad_reduce(table.handle, grad_out, unique, offsets, order, inverse, info,
                                                scale_grad_by_freq)
+        if table.grad_twin is not None:
+            _note_distinct(table, table.grad_twin.indices)
         grad = common_ops.weight_grad(indices, values, table.num_rows, table.dim, sparse)
         return grad, None, None, None, None, None, None
+
+
+def _note_distinct(table, indices):
+    if isinstance(table.cache, GpuRowCache):
+        table.cache.note_distinct(indices)
 
 
 @torch.compiler.disable
@@ -161,7 +201,7 @@ def lookup(module, ids):
                            "row cache cannot do; set max_norm=None or build the module without cache_rows")
     table = module._table
     padding = -1 if module.padding_idx is None else module.padding_idx
-    if table.cache.device.type == "cuda":
+    if isinstance(table.cache, GpuRowCache):
         check_ids(ids)
         return _CachedGpuLookup.apply(module._parameters["weight"], ids, padding, module.scale_grad_by_freq,
                                       module._sparse_gradient(), table, table.cache.device)

@@ -1,0 +1,282 @@
+/* The GPU row cache's ops (cuda/cache.cu): its planner's state comes as one
+ * tuple of device addresses and sizes (`cache`), the records as device
+ * addresses and the host rows they cache as registered HostBuffers (each
+ * checked against [num_rows, dim] and its registration, as the other GPU
+ * ops check theirs). Built without HE_WITH_CUDA, the module has none of
+ * them. */
+#include "binding.h"
+
+#ifdef HE_WITH_CUDA
+
+#include "he_cuda.h"
+
+/* cache = (entry, num_rows, row_of, used_at, referenced, capacity,
+ * counters, protect). */
+static int heb_cuda_cache_converter(PyObject *obj, void *out)
+{
+    he_cuda_cache *c = out;
+    HEB_ADDRESS(entry);
+    HEB_ADDRESS(row_of);
+    HEB_ADDRESS(used_at);
+    HEB_ADDRESS(referenced);
+    HEB_ADDRESS(counters);
+    long long num_rows, capacity;
+    int protect;
+    if (!PyTuple_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "cache must be a tuple (entry, num_rows, row_of, used_at, referenced, "
+                                      "capacity, counters, protect), got %.100s", Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    if (!PyArg_ParseTuple(obj, "O&LO&O&O&LO&i:cache", heb_address_converter, &entry, &num_rows,
+                          heb_address_converter, &row_of, heb_address_converter, &used_at, heb_address_converter,
+                          &referenced, &capacity, heb_address_converter, &counters, &protect))
+        return 0;
+    *c = (he_cuda_cache){entry.ptr, num_rows, row_of.ptr, used_at.ptr, referenced.ptr, capacity, counters.ptr,
+                         protect};
+    return 1;
+}
+
+/* records: a tuple of device addresses; host: a tuple of as many registered
+ * HostBuffers of [num_rows, dim] float32 rows. 0, or -1 with an exception. */
+static int heb_cache_arrays(PyObject *records, PyObject *host, long long num_rows, long long dim,
+                            he_cuda_cache_arrays *a)
+{
+    if (!PyTuple_Check(records) || !PyTuple_Check(host) || PyTuple_GET_SIZE(records) != PyTuple_GET_SIZE(host) ||
+        PyTuple_GET_SIZE(records) < 1 || PyTuple_GET_SIZE(records) > HE_CUDA_CACHE_ARRAYS) {
+        PyErr_Format(PyExc_ValueError, "records and host must be tuples of 1 to %d addresses and as many HostBuffers",
+                     HE_CUDA_CACHE_ARRAYS);
+        return -1;
+    }
+    memset(a, 0, sizeof *a);
+    a->count = (int)PyTuple_GET_SIZE(records);
+    a->dim = dim;
+    for (int i = 0; i < a->count; i++) {
+        heb_address record = {"records[i]", NULL};
+        heb_buffer rows = {"host[i]", NULL, 0, NULL, -1};
+        he_table table;
+        void *device_rows;
+        if (!heb_address_converter(PyTuple_GET_ITEM(records, i), &record) ||
+            !heb_buffer_converter(PyTuple_GET_ITEM(host, i), &rows) ||
+            heb_device_rows(&rows, num_rows, dim, &table, &device_rows) < 0)
+            return -1;
+        a->records[i] = record.ptr;
+        a->host[i] = device_rows;
+    }
+    return 0;
+}
+
+static PyObject *heb_cuda_cache_plan_workspace(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"n", "capacity", "device", NULL};
+    long long n, capacity;
+    int device;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$LLi:cuda_cache_plan_workspace", kwlist, &n, &capacity, &device))
+        return NULL;
+    size_t bytes = 0;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_cache_plan_workspace(n, capacity, device, &bytes);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    return PyLong_FromSize_t(bytes);
+}
+
+static PyObject *heb_cuda_cache_plan(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"cache", "unique", "n", "batch", "slot", "miss", "evict_row", "workspace",
+                             "workspace_bytes", "device", "stream", NULL};
+    he_cuda_cache c;
+    HEB_ADDRESS(unique);
+    HEB_ADDRESS(slot);
+    HEB_ADDRESS(miss);
+    HEB_ADDRESS(evict_row);
+    HEB_ADDRESS(workspace);
+    HEB_ADDRESS(stream);
+    long long n, batch, workspace_bytes;
+    int device;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&O&LLO&O&O&O&LiO&:cuda_cache_plan", kwlist,
+                                     heb_cuda_cache_converter, &c, heb_address_converter, &unique, &n, &batch,
+                                     heb_address_converter, &slot, heb_address_converter, &miss,
+                                     heb_address_converter, &evict_row, heb_address_converter, &workspace,
+                                     &workspace_bytes, &device, heb_address_converter, &stream))
+        return NULL;
+    if (workspace_bytes < 0) {
+        PyErr_Format(PyExc_ValueError, "workspace_bytes must be >= 0, got %lld", workspace_bytes);
+        return NULL;
+    }
+    he_cuda_cache_batch plan = {slot.ptr, miss.ptr, evict_row.ptr};
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_cache_plan(&c, unique.ptr, n, batch, &plan, workspace.ptr, (size_t)workspace_bytes, device,
+                            stream.ptr);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *heb_cuda_cache_move(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"cache", "records", "host", "dim", "unique", "n", "slot", "miss", "evict_row", "device",
+                             "stream", NULL};
+    he_cuda_cache c;
+    PyObject *records, *host;
+    HEB_ADDRESS(unique);
+    HEB_ADDRESS(slot);
+    HEB_ADDRESS(miss);
+    HEB_ADDRESS(evict_row);
+    HEB_ADDRESS(stream);
+    long long dim, n;
+    int device;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&OOLO&LO&O&O&iO&:cuda_cache_move", kwlist,
+                                     heb_cuda_cache_converter, &c, &records, &host, &dim, heb_address_converter,
+                                     &unique, &n, heb_address_converter, &slot, heb_address_converter, &miss,
+                                     heb_address_converter, &evict_row, &device, heb_address_converter, &stream))
+        return NULL;
+    he_cuda_cache_arrays a;
+    if (heb_cache_arrays(records, host, c.num_rows, dim, &a) < 0)
+        return NULL;
+    he_cuda_cache_batch plan = {slot.ptr, miss.ptr, evict_row.ptr};
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_cache_move(&c, &a, unique.ptr, n, &plan, device, stream.ptr);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *heb_cuda_cache_gather(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"records", "host", "num_rows", "dim", "unique", "slot", "n", "out", "device", "stream",
+                             NULL};
+    PyObject *records, *host;
+    HEB_ADDRESS(unique);
+    HEB_ADDRESS(slot);
+    HEB_ADDRESS(out);
+    HEB_ADDRESS(stream);
+    long long num_rows, dim, n;
+    int device;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOLLO&O&LO&iO&:cuda_cache_gather", kwlist, &records, &host,
+                                     &num_rows, &dim, heb_address_converter, &unique, heb_address_converter, &slot,
+                                     &n, heb_address_converter, &out, &device, heb_address_converter, &stream))
+        return NULL;
+    he_cuda_cache_arrays a;
+    if (heb_cache_arrays(records, host, num_rows, dim, &a) < 0)
+        return NULL;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_cache_gather(&a, unique.ptr, slot.ptr, n, out.ptr, device, stream.ptr);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *heb_cuda_cache_adam(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"cache", "records", "host", "dim", "indices", "values", "nnz", "lr", "beta1", "beta2",
+                             "eps", "step", "maximize", "weight_decay", "device", "stream", NULL};
+    he_cuda_cache c;
+    PyObject *records, *host;
+    HEB_ADDRESS(indices);
+    HEB_ADDRESS(values);
+    HEB_ADDRESS(stream);
+    long long dim, nnz, step;
+    he_adam_params hp = {0};
+    int maximize, device;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&OOLO&O&LddddLpdiO&:cuda_cache_adam", kwlist,
+                                     heb_cuda_cache_converter, &c, &records, &host, &dim, heb_address_converter,
+                                     &indices, heb_address_converter, &values, &nnz, &hp.lr, &hp.beta1, &hp.beta2,
+                                     &hp.eps, &step, &maximize, &hp.weight_decay, &device, heb_address_converter,
+                                     &stream))
+        return NULL;
+    he_cuda_cache_arrays a;
+    if (heb_cache_arrays(records, host, c.num_rows, dim, &a) < 0)
+        return NULL;
+    if (a.count != 3) {
+        PyErr_Format(PyExc_ValueError, "cuda_cache_adam takes 3 arrays (weight, exp_avg, exp_avg_sq), got %d",
+                     a.count);
+        return NULL;
+    }
+    hp.step = step;
+    hp.maximize = maximize;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_cache_adam(&c, &a, indices.ptr, values.ptr, nnz, &hp, device, stream.ptr);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *heb_cuda_cache_sync_records(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"cache", "records", "host", "dim", "to_host", "device", "stream", NULL};
+    he_cuda_cache c;
+    PyObject *records, *host;
+    HEB_ADDRESS(stream);
+    long long dim;
+    int to_host, device;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&OOLpiO&:cuda_cache_sync_records", kwlist,
+                                     heb_cuda_cache_converter, &c, &records, &host, &dim, &to_host, &device,
+                                     heb_address_converter, &stream))
+        return NULL;
+    he_cuda_cache_arrays a;
+    if (heb_cache_arrays(records, host, c.num_rows, dim, &a) < 0)
+        return NULL;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_cache_sync_records(&c, &a, to_host, device, stream.ptr);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef heb_cuda_cache_methods[] = {
+    {"cuda_cache_plan_workspace", HEB_KW_FUNC(heb_cuda_cache_plan_workspace), METH_VARARGS | METH_KEYWORDS,
+     "cuda_cache_plan_workspace($module, /, *, n, capacity, device)\n--\n\n"
+     "Bytes of device scratch for cuda_cache_plan"},
+    {"cuda_cache_plan", HEB_KW_FUNC(heb_cuda_cache_plan), METH_VARARGS | METH_KEYWORDS,
+     "cuda_cache_plan($module, /, *, cache, unique, n, batch, slot, miss, evict_row, workspace, workspace_bytes, "
+     "device, stream)\n--\n\n"
+     "Plans batch `batch` of unique rows unique[:n] on the GPU, as the CPU planner would (nothing waits)"},
+    {"cuda_cache_move", HEB_KW_FUNC(heb_cuda_cache_move), METH_VARARGS | METH_KEYWORDS,
+     "cuda_cache_move($module, /, *, cache, records, host, dim, unique, n, slot, miss, evict_row, device, "
+     "stream)\n--\n\n"
+     "A plan's write-backs and fetches of records over the pinned mapping"},
+    {"cuda_cache_gather", HEB_KW_FUNC(heb_cuda_cache_gather), METH_VARARGS | METH_KEYWORDS,
+     "cuda_cache_gather($module, /, *, records, host, num_rows, dim, unique, slot, n, out, device, stream)\n--\n\n"
+     "out[k] = unique[k]'s row: from its slot, or over the mapping where slot[k] is -1"},
+    {"cuda_cache_adam", HEB_KW_FUNC(heb_cuda_cache_adam), METH_VARARGS | METH_KEYWORDS,
+     "cuda_cache_adam($module, /, *, cache, records, host, dim, indices, values, nnz, lr, beta1, beta2, eps, step, "
+     "maximize, weight_decay, device, stream)\n--\n\n"
+     "SparseAdam of distinct rows, each in its slot or in host memory"},
+    {"cuda_cache_sync_records", HEB_KW_FUNC(heb_cuda_cache_sync_records), METH_VARARGS | METH_KEYWORDS,
+     "cuda_cache_sync_records($module, /, *, cache, records, host, dim, to_host, device, stream)\n--\n\n"
+     "Every occupied slot's records written to their host rows (to_host) or read from them"},
+    {NULL, NULL, 0, NULL},
+};
+
+int heb_cuda_cache_add(PyObject *module)
+{
+    return PyModule_AddFunctions(module, heb_cuda_cache_methods);
+}
+
+#else /* !HE_WITH_CUDA */
+
+int heb_cuda_cache_add(PyObject *module)
+{
+    (void)module;
+    return 0;
+}
+
+#endif

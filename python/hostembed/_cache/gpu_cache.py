@@ -1,0 +1,301 @@
+"""GpuRowCache: a row cache whose planner and records both live on a GPU,
+so that a cached step never waits for the CPU; and HostTwinState, the same
+planner's host twin, which runs the same executor on the CPU (the tests).
+
+A batch: plan_batch(unique, n) plans it and moves records (evictions
+written back, fetches read, over the pinned mapping), gather(plan, unique,
+n) reads its rows for the forward (from their slots, or host memory where
+they bypass the cache), update(...) is SparseAdam's step of rows wherever
+they are at that moment. Nothing of it reads a device value on the host:
+the lookup's dedup, which sizes the batch, is the one wait of a step
+(done by prefetch() when the next batch is known, else by the lookup).
+
+Why the update asks the map, not the plan: a batch planned a step ahead
+runs its plan (and its fetches) before the current step's update. A row
+the current batch bypassed and the next one fetched is then in a slot,
+and the update finds it there; a row the plan evicted is not one of the
+current batch's (protect 2 keeps those), and any other is written back
+before the update reads it. So no fetch has to wait for an update."""
+import warnings
+
+import torch
+from torch import Tensor
+
+from .._core.ops import update as update_ops
+from .._core.ops.cache_plan import CachePlanner
+from .._core.ops.gpu_cache import CachePlanOnDevice, GpuCacheState
+from .row_cache import RowCache, _ordered
+
+
+class HostTwinState:
+    """GpuCacheState's interface on the CPU: the CPU planner (the GPU
+    planner's host twin: the same decisions) and the same moves, gathers
+    and updates with torch indexing and the core, on host-memory records.
+    It lets the tests run GpuRowCache's executor without a GPU."""
+
+    def __init__(self, table, capacity: int, protect: int):
+        self.table, self.capacity = table, capacity
+        self.planner = CachePlanner(table.num_rows, capacity, lookahead=protect == 2)
+        self.row_of = torch.full((capacity,), -1, dtype=torch.int64)
+        self.record_table = None  # set by the cache: the HostTable of its records
+
+    def plan(self, unique: Tensor, n: int) -> CachePlanOnDevice:
+        unique = unique[:n]
+        p = self.planner.plan(unique)
+        fetched = torch.searchsorted(unique, p.fetch_row)
+        miss = torch.sort(torch.cat([fetched, (p.slot < 0).nonzero().view(-1)])).values
+        evicted_from = torch.full((self.capacity,), -1, dtype=torch.int64)
+        evicted_from[p.evict_slot.long()] = p.evict_row
+        miss_slot = p.slot[miss].long()
+        evict_row = torch.where(miss_slot >= 0, evicted_from[miss_slot.clamp(min=0)], -1)
+        self.row_of[p.evict_slot.long()] = -1
+        self.row_of[p.fetch_slot.long()] = p.fetch_row
+        return CachePlanOnDevice(p.slot, miss, evict_row)
+
+    def move(self, plan, unique, n, records, hosts, dim):
+        slot = plan.slot[plan.miss].long()
+        evicting, taken = plan.evict_row >= 0, slot >= 0
+        for record, host in zip(records, hosts):
+            host[plan.evict_row[evicting]] = record[slot[evicting]]
+            record[slot[taken]] = host[unique[plan.miss[taken]]]
+
+    def gather(self, records, host, plan, unique, n, dim):
+        slot = plan.slot.long()
+        return torch.where((slot >= 0).unsqueeze(1), records[slot.clamp(min=0)], host[unique[:n]])
+
+    def adam(self, records, hosts, indices, values, **hyper):
+        slots = self.planner.slots_of(indices).long()
+        cached = slots >= 0
+        update_ops.update_rows(update_ops.ADAM, self.record_table,
+                               {"exp_avg": records[1], "exp_avg_sq": records[2]}, slots[cached], values[cached],
+                               **hyper)
+        update_ops.update_rows(update_ops.ADAM, self.table, {"exp_avg": hosts[1], "exp_avg_sq": hosts[2]},
+                               indices[~cached], values[~cached], **hyper)
+
+    def sync_records(self, records, hosts, dim, *, to_host):
+        slots = (self.row_of >= 0).nonzero().view(-1)
+        rows = self.row_of[slots]
+        for record, host in zip(records, hosts):
+            if to_host:
+                host[rows] = record[slots]
+            else:
+                record[slots] = host[rows]
+
+    def snapshot(self) -> dict:
+        return self.counts()
+
+    def counts(self, snapshot=None) -> dict:
+        if snapshot is not None:
+            return snapshot
+        stats = dict(self.planner.stats)
+        return {k: stats[k] for k in ("batches", "rows", "hits", "fetches", "evictions", "bypassed")}
+
+    def occupied(self) -> int:
+        return int((self.row_of >= 0).sum())
+
+
+class GpuRowCache(RowCache):
+    """A float32 table's row cache on `device` (a GPU; "cpu": the host
+    twin, for tests), for SparseAdam: RowCache's coherence with host memory
+    (dirty, stale, flush, attach_state) over a planner and records that
+    stay on the device. Another optimizer's first update moves the cache
+    to host memory (a RowCache of host records), with a warning."""
+
+    def __init__(self, table, capacity: int, *, device):
+        self.table = table
+        self.lookahead = True
+        self.device = torch.device(device)
+        if table.dtype != torch.float32:
+            raise ValueError(f"hostembed: a row cache in GPU memory takes float32 tables (its kernels do), not "
+                             f"{table.dtype}")
+        self._capacity = capacity
+        self.records = None
+        self.ops = GpuCacheState(table.num_rows, capacity, 2, self.device) if self.device.type == "cuda" \
+            else HostTwinState(table, capacity, 2)
+        self.host = {"weight": table.tensor}
+        self.cached = {"weight": self._new_records(weight=True)}
+        if self.device.type == "cpu":
+            self.ops.record_table = self.records
+        self.version = {"weight": table.tensor._version}
+        self.dirty, self.stale = set(), set()
+        self.pending = torch.empty(0, dtype=torch.int64)
+        # Bytes moved: written back by flushes, and the record's size from
+        # each snapshot of the counts on (a record grows when state is
+        # attached), read only when stats are (the counts are on the device).
+        self.moved = {"fetched_bytes": 0, "written_back_bytes": 0}
+        self._record_sizes = [(None, self._record_bytes())]
+        self._last_use = None
+        self.last_update_from = None
+        # Times the host waited for the device on this cache's behalf (on
+        # the host twin: took a path that would wait on a GPU): the
+        # lookups' dedups, which the lookup counts, and the executor's own
+        # waits, none on a step's path (a gradient the update must check on
+        # the host, a flush, reading stats). Tests read it.
+        self.host_waits = 0
+        # The last backward's row indices on the device, distinct by
+        # construction (a dedup's), which the update takes as they are.
+        self._distinct = None
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def stats(self) -> dict:
+        """As RowCache.stats; reading it waits for the device."""
+        self.host_waits += 1
+        counts = self.ops.counts()
+        moved = dict(self.moved)
+        ends = [self.ops.counts(s) for s, _ in self._record_sizes[1:]] + [counts]
+        before = {"fetches": 0, "evictions": 0}
+        for (_, record), end in zip(self._record_sizes, ends):
+            moved["fetched_bytes"] += (end["fetches"] - before["fetches"]) * record
+            moved["written_back_bytes"] += (end["evictions"] - before["evictions"]) * record
+            before = end
+        return {**counts, **moved}
+
+    def _host_of(self, tensor):
+        """What the ops take for a host tensor of the table (its rows or
+        state): its registered buffer on a GPU, the tensor on the host twin."""
+        if self.device.type == "cpu":
+            return tensor
+        buf = self.table.pinned_buffer(tensor, self.device, "a GPU row cache")
+        if buf is None:
+            raise RuntimeError("hostembed: a row cache in GPU memory reads and writes host rows through CUDA's "
+                               "mapping of them, and CUDA refused to pin this table; build the module without "
+                               "cache_rows")
+        return buf
+
+    def _arrays(self, keys):
+        return [self.cached[k] for k in keys], [self._host_of(self.host[k]) for k in keys]
+
+    def _host_memory_next(self):
+        """Before the ops read or write host memory: after any GPU work on
+        the rows on another stream (an uncached lookup's, say)."""
+        if self.device.type == "cuda":
+            self.table.order_after_gpu_use(torch.cuda.current_stream(self.device))
+
+    def _host_memory_used(self):
+        """After the ops' own reads and writes of host memory: later GPU or
+        CPU work on the rows is ordered after them (HostTable), and the host
+        tensors' versions (which the twin's writes move) are not news."""
+        if self.device.type == "cuda":
+            self.table.record_gpu_use(torch.cuda.current_stream(self.device))
+        self._seen()
+
+    def _read_in(self, records, host):
+        self._host_memory_next()
+        self.ops.sync_records([records], [self._host_of(host)], self.table.dim, to_host=False)
+        self._host_memory_used()
+
+    def attach_state(self, key, host_tensor):
+        records = super().attach_state(key, host_tensor)
+        self._record_sizes.append((self.ops.snapshot(), self._record_bytes()))
+        return records
+
+    def note_distinct(self, indices: Tensor) -> None:
+        """indices (a backward's unique rows, on the device) will come back to
+        update() as they are: it need not check them for repeats."""
+        self._distinct = (indices.data_ptr(), indices.numel(), indices.device)
+
+    def _known_distinct(self, indices):
+        return self._distinct == (indices.data_ptr(), indices.numel(), indices.device)
+
+    # ---- a batch
+
+    @_ordered
+    def plan_batch(self, unique: Tensor, n: int) -> CachePlanOnDevice:
+        """Plans the batch of unique rows unique[:n] (ascending, distinct, in
+        range) and moves the records it needs."""
+        self._sync()
+        self._host_memory_next()
+        plan = self.ops.plan(unique, n)
+        records, hosts = self._arrays(list(self.host))
+        self.ops.move(plan, unique, n, records, hosts, self.table.dim)
+        self._host_memory_used()
+        return plan
+
+    @_ordered
+    def gather(self, plan: CachePlanOnDevice, unique: Tensor, n: int) -> Tensor:
+        """The planned batch's rows [n, dim], unique[k]'s in row k."""
+        self._sync()
+        self._host_memory_next()
+        rows = self.ops.gather(self.cached["weight"], self._host_of(self.host["weight"]), plan, unique, n,
+                               self.table.dim)
+        self._host_memory_used()
+        return rows
+
+    @_ordered
+    def update(self, kind: int, state: dict, indices: Tensor, values: Tensor, **hyper) -> None:
+        """RowCache.update: SparseAdam's on the device, each row in its slot if
+        cached now, else in host memory; another optimizer moves the cache to
+        host memory first. An index outside the table raises IndexError
+        before anything is written."""
+        if kind != update_ops.ADAM:
+            self._to_host_cache(update_ops.optimizer_name(kind)).update(kind, state, indices, values, **hyper)
+            return
+        self.last_update_from = values.device
+        distinct, self._distinct = indices.device == self.device and self._known_distinct(indices), None
+        if not distinct:
+            indices, values = self._distinct_rows(indices, values)
+        self._sync()
+        for key, tensor in state.items():
+            if self.host.get(key) is not tensor:
+                self.attach_state(key, tensor)
+        keys = ("weight", "exp_avg", "exp_avg_sq")
+        records, hosts = self._arrays(keys)
+        self._host_memory_next()
+        self.ops.adam(records, hosts, indices, values.to(torch.float32).contiguous(), **hyper)
+        self._host_memory_used()
+        self.dirty.update(keys)
+
+    def _distinct_rows(self, indices, values):
+        """A gradient that may repeat rows (several lookups, or weight.grad on
+        the CPU), checked and summed as the core sums repeats, on the device."""
+        self.host_waits += 1
+        host_indices = indices.cpu()
+        bad = (host_indices < 0) | (host_indices >= self.table.num_rows)
+        if bool(bad.any()):
+            at = int(bad.nonzero()[0])
+            raise IndexError(f"hostembed: row {int(host_indices[at])} at {at} is not in [0, {self.table.num_rows})")
+        if host_indices.numel() > 1 and not bool((host_indices[1:] > host_indices[:-1]).all()) \
+                and torch.unique(host_indices).numel() != host_indices.numel():
+            host_indices, values = update_ops.sum_repeated_rows(self.table, host_indices, values.cpu())
+        return host_indices.to(self.device), values.to(self.device)
+
+    def _to_host_cache(self, why) -> RowCache:
+        """Replaces this cache by one of host-memory records (empty), its
+        rows written back first, for an optimizer without a GPU update."""
+        warnings.warn(f"hostembed: {why} has no GPU update of a row cache's records; they move to host memory "
+                      "(SparseAdam updates them on the GPU)", stacklevel=5)
+        self.flush()
+        cache = RowCache(self.table, self.capacity, lookahead=True, device="cpu")
+        self.table.cache, self.table.planned = cache, None
+        return cache
+
+    @_ordered
+    def flush(self, keys=None) -> None:
+        self._sync()
+        todo = [k for k in (self.host if keys is None else keys) if k in self.dirty]
+        if todo:
+            records, hosts = self._arrays(todo)
+            self._host_memory_next()
+            self.ops.sync_records(records, hosts, self.table.dim, to_host=True)
+            self.host_waits += 1
+            if self.device.type == "cuda":
+                # Host memory is read next (state_dict, save, the weight).
+                torch.cuda.current_stream(self.device).synchronize()
+            occupied = self.ops.occupied()
+            self.moved["written_back_bytes"] += occupied * sum(self.cached[k][:1].nbytes for k in todo)
+            self.dirty.difference_update(todo)
+        self._seen()
+
+    # RowCache's CPU-planner executor has no use here.
+    def plan(self, unique):
+        raise NotImplementedError("GpuRowCache plans with plan_batch")
+
+    def rows(self, plan, unique):
+        raise NotImplementedError("GpuRowCache reads rows with gather")
+
+    def finish(self, plan):
+        pass

@@ -1,0 +1,122 @@
+"""A row cache's planner and records in GPU memory (cuda/cache.cu), over
+torch tensors: the planner's state (GpuCacheState), a batch's plan, the
+moves of records over the pinned mapping, the lookup's gather, SparseAdam
+where each row is now. Everything is queued on torch's current stream of
+the cache's device; nothing here waits for the GPU, except counts()."""
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .. import _C
+from .common import address
+
+# cuda/he_cuda.h's he_cuda_cache counters, in order.
+_COUNTERS = ("hand", "base", "misses", "stop", "batches", "rows", "hits", "fetches", "evictions")
+
+
+class CachePlanOnDevice(NamedTuple):
+    """One batch's plan in the cache's device arrays, for its n unique rows:
+    slot[k] (int32) the slot of unique[k], -1 where it bypasses the cache;
+    miss[:misses] (int64) the positions of the misses, ascending;
+    evict_row[j] the row whose record the j-th miss's slot wrote back (-1:
+    none). The count of misses stays on the device."""
+    slot: Tensor
+    miss: Tensor
+    evict_row: Tensor
+
+
+def _stream(device):
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+class GpuCacheState:
+    """The planner of a cache of `capacity` slots over num_rows rows, in GPU
+    memory: the arrays of csrc/cache_plan.c (its host twin) and counters.
+    protect: as the CPU planner's (2: batches are planned a step ahead)."""
+
+    def __init__(self, num_rows: int, capacity: int, protect: int, device):
+        self.device = torch.device(device)
+        self.num_rows, self.capacity, self.protect = num_rows, capacity, protect
+        on = {"device": self.device}
+        # One uint32 a row (int32 here: torch's uint32 lacks kernels); the
+        # kernels read the bits.
+        self.entry = torch.zeros(max(num_rows, 1), dtype=torch.int32, **on)
+        self.row_of = torch.full((capacity,), -1, dtype=torch.int64, **on)
+        self.used_at = torch.full((capacity,), -1, dtype=torch.int64, **on)
+        self.referenced = torch.zeros(capacity, dtype=torch.uint8, **on)
+        self.counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, **on)
+        self.batch = 0  # batches planned; the host counts them, so it knows when the counts age
+
+    def _cache(self):
+        return (address(self.entry), self.num_rows, address(self.row_of), address(self.used_at),
+                address(self.referenced), self.capacity, address(self.counters), self.protect)
+
+    def plan(self, unique: Tensor, n: int) -> CachePlanOnDevice:
+        """Plans the next batch, unique[:n] (a GPU dedup's: ascending,
+        distinct, in range)."""
+        on = {"device": self.device}
+        size = max(n, 1)
+        plan = CachePlanOnDevice(torch.empty(size, dtype=torch.int32, **on), torch.empty(size, dtype=torch.int64, **on),
+                                 torch.empty(size, dtype=torch.int64, **on))
+        ws_bytes = _C.cuda_cache_plan_workspace(n=n, capacity=self.capacity, device=self.device.index)
+        workspace = torch.empty(ws_bytes, dtype=torch.uint8, **on)
+        _C.cuda_cache_plan(cache=self._cache(), unique=address(unique), n=n, batch=self.batch + 1,
+                           slot=address(plan.slot), miss=address(plan.miss), evict_row=address(plan.evict_row),
+                           workspace=address(workspace), workspace_bytes=ws_bytes, device=self.device.index,
+                           stream=_stream(self.device))
+        self.batch += 1
+        return plan
+
+    def move(self, plan: CachePlanOnDevice, unique: Tensor, n: int, records, hosts, dim: int) -> None:
+        """The plan's write-backs and fetches, for each records tensor and
+        the registered HostBuffer of the rows it caches."""
+        _C.cuda_cache_move(cache=self._cache(), records=tuple(address(r) for r in records), host=tuple(hosts),
+                           dim=dim, unique=address(unique), n=n, slot=address(plan.slot), miss=address(plan.miss),
+                           evict_row=address(plan.evict_row), device=self.device.index, stream=_stream(self.device))
+
+    def gather(self, records: Tensor, host, plan: CachePlanOnDevice, unique: Tensor, n: int, dim: int) -> Tensor:
+        """unique[:n]'s rows, from their slots or over the mapping."""
+        rows = torch.empty(n, dim, dtype=torch.float32, device=self.device)
+        _C.cuda_cache_gather(records=(address(records),), host=(host,), num_rows=self.num_rows, dim=dim,
+                             unique=address(unique), slot=address(plan.slot), n=n, out=address(rows),
+                             device=self.device.index, stream=_stream(self.device))
+        return rows
+
+    def adam(self, records, hosts, indices: Tensor, values: Tensor, *, lr, beta1, beta2, eps, step, maximize,
+             weight_decay=0.0, lr_decay=0.0) -> None:
+        """SparseAdam of distinct rows `indices` (int64, on the device) with
+        gradient rows `values`, each where the cache says it is now.
+        records, hosts: weight, exp_avg, exp_avg_sq."""
+        dim = values.shape[1] if values.dim() == 2 else 0
+        _C.cuda_cache_adam(cache=self._cache(), records=tuple(address(r) for r in records), host=tuple(hosts),
+                           dim=dim, indices=address(indices), values=address(values), nnz=indices.numel(), lr=lr,
+                           beta1=beta1, beta2=beta2, eps=eps, step=step, maximize=maximize,
+                           weight_decay=weight_decay, device=self.device.index, stream=_stream(self.device))
+
+    def sync_records(self, records, hosts, dim: int, *, to_host: bool) -> None:
+        """Every occupied slot's records written to (or read from) its host rows."""
+        _C.cuda_cache_sync_records(cache=self._cache(), records=tuple(address(r) for r in records),
+                                   host=tuple(hosts), dim=dim, to_host=to_host, device=self.device.index,
+                                   stream=_stream(self.device))
+
+    def snapshot(self) -> Tensor:
+        """The counts now, kept on the device for counts() (no wait)."""
+        return self.counters.clone()
+
+    def counts(self, snapshot=None) -> dict:
+        """The counts since the cache was made, or at a snapshot (waits for
+        the device)."""
+        values = dict(zip(_COUNTERS, (self.counters if snapshot is None else snapshot).tolist()))
+        return {"batches": values["batches"], "rows": values["rows"], "hits": values["hits"],
+                "fetches": values["fetches"], "evictions": values["evictions"],
+                "bypassed": values["rows"] - values["hits"] - values["fetches"]}
+
+    def occupied(self) -> int:
+        """Slots holding a row (waits for the device)."""
+        return int((self.row_of >= 0).sum())
+
+    def state(self) -> dict:
+        """The planner's arrays on the CPU, for comparison with the host twin's."""
+        return {"entry": self.entry.cpu(), "row_of": self.row_of.cpu(), "used_at": self.used_at.cpu(),
+                "referenced": self.referenced.cpu(), "hand": int(self.counters[0])}

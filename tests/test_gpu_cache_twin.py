@@ -1,0 +1,126 @@
+"""The GPU row cache's executor (_cache.GpuRowCache) on its host twin: the
+same plan / move / gather / update sequence the GPU runs, with the CPU
+planner (the GPU planner's twin, the same decisions: compared batch by
+batch in tests/test_cache_gpu.py) and host-memory records. Training
+through it gives the uncached table's bits, also with each batch planned
+a step ahead (before the previous step's update), and its own waits for
+the device are none on a step's path."""
+import pytest
+import torch
+
+from hostembed._cache.gpu_cache import GpuRowCache
+from hostembed._core.ops import update as _ops
+from hostembed._core.table import HostTable
+
+HYPER = dict(lr=0.05, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.1, maximize=False)
+
+
+def _skewed_batch(gen, rows, count):
+    u = torch.rand(count, generator=gen, dtype=torch.float64)
+    return torch.unique((rows * u ** 4).long())
+
+
+def _pair(rows, dim, gen):
+    tables = [HostTable(rows, dim) for _ in range(2)]
+    init = torch.randn(rows, dim, generator=gen)
+    for t in tables:
+        t.tensor.copy_(init)
+    states = [{"exp_avg": t.zeros(), "exp_avg_sq": t.zeros()} for t in tables]
+    return tables, states
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["planned-at-lookup", "planned-ahead"])
+@pytest.mark.parametrize("capacity", [1, 96, 3000])
+def test_training_through_the_twin_gives_the_uncached_bits(capacity, ahead):
+    rows, dim, steps = 3000, 8, 80
+    gen = torch.Generator().manual_seed(capacity + ahead)
+    tables, states = _pair(rows, dim, gen)
+    cache = GpuRowCache(tables[1], capacity, device="cpu")
+    batches = [_skewed_batch(gen, rows, 300) for _ in range(steps)]
+    for unique in batches[:3]:  # lookups before the first update: records hold rows only
+        plan = cache.plan_batch(unique, unique.numel())
+        assert torch.equal(cache.gather(plan, unique, unique.numel()), tables[0].tensor[unique])
+    plans = {0: cache.plan_batch(batches[0], batches[0].numel())}
+    for b, unique in enumerate(batches):
+        n = unique.numel()
+        plan = plans.pop(b) if b in plans else cache.plan_batch(unique, n)
+        assert torch.equal(cache.gather(plan, unique, n), tables[0].tensor[unique]), f"stale rows at step {b}"
+        if ahead and b + 1 < steps:
+            plans[b + 1] = cache.plan_batch(batches[b + 1], batches[b + 1].numel())
+        grad = torch.randn(n, dim, generator=gen)
+        _ops.sparse_update(_ops.ADAM, tables[0].tensor, states[0], unique, grad, step=b + 1, **HYPER)
+        cache.note_distinct(unique)
+        cache.update(_ops.ADAM, states[1], unique, grad, step=b + 1, **HYPER)
+    waits = cache.host_waits
+    stats = cache.stats
+    cache.flush()
+    assert torch.equal(tables[1].tensor, tables[0].tensor)
+    for key in states[0]:
+        assert torch.equal(states[1][key], states[0][key]), key
+    assert waits == 0
+    assert stats["hits"] + stats["fetches"] + stats["bypassed"] == stats["rows"]
+    assert stats["batches"] == 3 + steps
+    if capacity == 3000:
+        assert stats["bypassed"] == 0 and stats["evictions"] == 0
+    else:
+        assert stats["evictions"] > 0 or capacity == 1
+        assert stats["bypassed"] > 0
+
+
+def test_a_gradient_with_repeats_is_checked_and_summed_on_the_host():
+    # Two lookups' sums concatenated (rows repeated), and an index outside
+    # the table: the update that cannot take them as they are checks them
+    # on the host (one wait), sums the repeats as the core does, and
+    # refuses a bad one before anything is written.
+    rows, dim = 400, 4
+    gen = torch.Generator().manual_seed(1)
+    tables, states = _pair(rows, dim, gen)
+    cache = GpuRowCache(tables[1], 8, device="cpu")
+    for step in range(1, 20):
+        first, second = _skewed_batch(gen, rows, 20), _skewed_batch(gen, rows, 20)
+        cache.plan_batch(first, first.numel())
+        cache.plan_batch(second, second.numel())
+        indices = torch.cat([first, second])
+        grad = torch.randn(indices.numel(), dim, generator=gen)
+        _ops.sparse_update(_ops.ADAM, tables[0].tensor, states[0], indices, grad, step=step, **HYPER)
+        before = cache.host_waits
+        cache.update(_ops.ADAM, states[1], indices, grad, step=step, **HYPER)
+        assert cache.host_waits - before == 1
+    with pytest.raises(IndexError, match=f"row {rows} at 1 is not in"):
+        cache.update(_ops.ADAM, states[1], torch.tensor([0, rows]), torch.ones(2, dim), step=20, **HYPER)
+    cache.flush()
+    assert torch.equal(tables[1].tensor, tables[0].tensor)
+    for key in states[0]:
+        assert torch.equal(states[1][key], states[0][key])
+
+
+def test_host_rows_written_through_torch_are_reread_by_the_twin():
+    table = HostTable(50, 4)
+    table.tensor.copy_(torch.randn(50, 4))
+    cache = table.cache = GpuRowCache(table, 8, device="cpu")
+    unique = torch.tensor([1, 5, 7])
+    cache.plan_batch(unique, 3)
+    new = torch.randn(50, 4)
+    table.tensor.copy_(new)  # the version counter moves: the records are re-read
+    plan = cache.plan_batch(unique, 3)
+    assert torch.equal(cache.gather(plan, unique, 3), new[unique])
+    table.tensor.data.copy_(new * 2)  # unseen by torch ...
+    table.rows_changed(None)  # ... until announced, as a load does
+    plan = cache.plan_batch(unique, 3)
+    assert torch.equal(cache.gather(plan, unique, 3), 2 * new[unique])
+
+
+def test_another_optimizer_moves_the_cache_to_host_records():
+    rows, dim = 300, 4
+    gen = torch.Generator().manual_seed(3)
+    tables, _ = _pair(rows, dim, gen)
+    cache = tables[1].cache = GpuRowCache(tables[1], 16, device="cpu")
+    unique = _skewed_batch(gen, rows, 40)
+    cache.plan_batch(unique, unique.numel())
+    grad = torch.randn(unique.numel(), dim, generator=gen)
+    _ops.sparse_update(_ops.SGD, tables[0].tensor, {}, unique, grad, lr=0.1, step=1, maximize=False)
+    with pytest.warns(UserWarning, match="SGD has no GPU update"):
+        _ops.sparse_update(_ops.SGD, tables[1].tensor, {}, unique, grad, lr=0.1, step=1, maximize=False)
+    assert type(tables[1].cache).__name__ == "RowCache" and tables[1].cache.device.type == "cpu"
+    tables[1].cache.flush()
+    assert torch.equal(tables[1].tensor, tables[0].tensor)
