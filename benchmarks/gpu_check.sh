@@ -21,7 +21,8 @@
 # left of the budget), SANITIZER (compute-sanitizer's path; default: PATH,
 # then the toolkit's bin), SKIP (stage names not to run, space-separated:
 # a short lease runs the most important ones first), GPU_ARGS (more
-# arguments for benchmarks/gpu.py, e.g. "--skip gather").
+# arguments for benchmarks/gpu.py, e.g. "--skip gather"), CACHE_FRACTION
+# (compare.py's GPU row cache, a fraction of each table's rows; default 1).
 # Exit status: 0 only when every stage ran and passed.
 set -uo pipefail
 OUT=${1:?usage: benchmarks/gpu_check.sh OUTDIR}
@@ -38,7 +39,7 @@ FAILED=0
 
 # The variables that change what a stage does, as `env` would take them.
 relevant_env() {
-    env | grep -E '^(HOSTEMBED_|PYTORCH_|CUDA_|NVIDIA_|OMP_|MKL_|PYTHONPATH=|PYTHON=|ROWS=|BUDGET_S=|SANITIZER=|SKIP=|GPU_ARGS=)' \
+    env | grep -E '^(HOSTEMBED_|PYTORCH_|CUDA_|NVIDIA_|OMP_|MKL_|PYTHONPATH=|PYTHON=|ROWS=|BUDGET_S=|SANITIZER=|SKIP=|GPU_ARGS=|CACHE_FRACTION=)' \
         | LC_ALL=C sort
 }
 
@@ -193,7 +194,7 @@ if (( BUILT )); then
     run cache_gpu_tests 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_cache_gpu.py
     run plan_record 60 "$PY" benchmarks/cache_plan_record.py "$OUT/gpu_cache_plans.pt"
     run cache_benchmark 330 "$PY" benchmarks/cache_step.py --rows "$ROWS" --prefetch --json "$OUT/cache_step.json"
-    run compare 200 "$PY" benchmarks/compare.py --cache-fraction 1 --out "$OUT/compare"
+    run compare 200 "$PY" benchmarks/compare.py --cache-fraction "${CACHE_FRACTION:-1}" --out "$OUT/compare"
     run gpu_tests 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --durations 15
     SANITIZER=${SANITIZER:-$(command -v compute-sanitizer)}
     for dir in "${CUDA_HOME:-/usr/local/cuda}/bin" /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do

@@ -37,6 +37,8 @@ class GpuCacheState:
 
     def __init__(self, num_rows: int, capacity: int, protect: int, device):
         self.device = torch.device(device)
+        if self.device.index is None:  # "cuda": the current one, as torch takes it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_rows, self.capacity, self.protect = num_rows, capacity, protect
         on = {"device": self.device}
         # One uint32 a row (int32 here: torch's uint32 lacks kernels); the
