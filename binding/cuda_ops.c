@@ -254,42 +254,6 @@ static PyObject *heb_cuda_sparse_adam(PyObject *mod, PyObject *args, PyObject *k
     Py_RETURN_NONE;
 }
 
-/* SparseAdam on records in GPU memory (a row cache's slots): the same
- * kernel, on device addresses. The Python layer hands only the data
- * pointers of contiguous float32 CUDA tensors of [slots, dim] that it
- * checked, and slot numbers from the cache's planner. */
-static PyObject *heb_cuda_sparse_adam_records(PyObject *mod, PyObject *args, PyObject *kwds)
-{
-    (void)mod;
-    static char *kwlist[] = {"weight", "exp_avg", "exp_avg_sq", "dim", "slots", "values", "nnz", "lr", "beta1",
-                             "beta2", "eps", "step", "maximize", "weight_decay", "device", "stream", NULL};
-    HEB_ADDRESS(weight);
-    HEB_ADDRESS(exp_avg);
-    HEB_ADDRESS(exp_avg_sq);
-    HEB_ADDRESS(slots);
-    HEB_ADDRESS(values);
-    HEB_ADDRESS(stream);
-    long long dim, nnz, step;
-    he_adam_params hp = {0};
-    int maximize, device;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&O&O&LO&O&LddddLpdiO&:cuda_sparse_adam_records", kwlist,
-                                     heb_address_converter, &weight, heb_address_converter, &exp_avg,
-                                     heb_address_converter, &exp_avg_sq, &dim, heb_address_converter, &slots,
-                                     heb_address_converter, &values, &nnz, &hp.lr, &hp.beta1, &hp.beta2, &hp.eps,
-                                     &step, &maximize, &hp.weight_decay, &device, heb_address_converter, &stream))
-        return NULL;
-    hp.step = step;
-    hp.maximize = maximize;
-    he_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = he_cuda_sparse_adam((float *)weight.ptr, (float *)exp_avg.ptr, (float *)exp_avg_sq.ptr, dim, slots.ptr,
-                             values.ptr, nnz, &hp, device, stream.ptr);
-    Py_END_ALLOW_THREADS
-    if (st != HE_OK)
-        return heb_raise_status(st);
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef heb_cuda_methods[] = {
     {"cuda_dedup_workspace", HEB_KW_FUNC(heb_cuda_dedup_workspace), METH_VARARGS | METH_KEYWORDS,
      "cuda_dedup_workspace($module, /, *, count, num_rows, device)\n--\n\n"
@@ -317,11 +281,6 @@ static PyMethodDef heb_cuda_methods[] = {
      "beta1, beta2, eps, step, maximize, weight_decay, device, stream)\n--\n\n"
      "SparseAdam through mapped memory: weight/exp_avg/exp_avg_sq are the registered HostBuffers of "
      "[num_rows, dim] rows each; indices unique and in range"},
-    {"cuda_sparse_adam_records", HEB_KW_FUNC(heb_cuda_sparse_adam_records), METH_VARARGS | METH_KEYWORDS,
-     "cuda_sparse_adam_records($module, /, *, weight, exp_avg, exp_avg_sq, dim, slots, values, nnz, lr, beta1, "
-     "beta2, eps, step, maximize, weight_decay, device, stream)\n--\n\n"
-     "SparseAdam on a row cache's records in GPU memory: device addresses of [slots, dim] float32 rows each; "
-     "slots (int64, on the device) distinct and in range"},
     {NULL, NULL, 0, NULL},
 };
 

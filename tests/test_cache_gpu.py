@@ -192,7 +192,8 @@ import cache_plan_record  # noqa: E402  (benchmarks/ on the path first)
 @pytest.mark.parametrize("config", cache_plan_record.CONFIGS, ids=lambda c: f"capacity{c['capacity']}")
 def test_the_gpu_planner_makes_the_cpu_planners_decisions(config):
     gpu = cache_plan_record.gpu_decisions(config)
-    assert sum(len(evicted) for _, _, evicted in gpu[0]) > 0 or config["capacity"] >= 2500
+    if config["capacity"] in (40, 400):  # one slot is never free of the last two batches; 2500 hold them all
+        assert sum(len(evicted) for _, _, evicted in gpu[0]) > 0
     assert cache_plan_record.differences(gpu, cache_plan_record.cpu_decisions(config)) == []
 
 

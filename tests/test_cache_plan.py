@@ -209,3 +209,19 @@ def test_host_rows_rewritten_unseen_by_torch_are_reread_once_marked_stale():
     table.rows_changed(None)
     plan = cache.plan(unique)
     assert torch.equal(cache.rows(plan, unique), new[unique])
+
+
+def test_the_cpu_planner_makes_the_decisions_recorded_from_the_gpu_planner(monkeypatch):
+    # tests/fixtures/gpu_cache_plans.pt: the GPU planner's slots and
+    # evictions on benchmarks/cache_plan_record.py's streams, recorded on a
+    # GPU (an H200, 2026-11-26). The CPU planner is its host twin: any
+    # change of either policy shows here without a GPU.
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    import cache_plan_record
+    recorded = torch.load(pathlib.Path(__file__).parent / "fixtures" / "gpu_cache_plans.pt", weights_only=True)
+    assert [r["config"] for r in recorded["recorded"]] == list(cache_plan_record.CONFIGS)
+    for r in recorded["recorded"]:
+        gpu = (r["batches"], r["final"])
+        cpu = cache_plan_record.cpu_decisions(r["config"])
+        assert cache_plan_record.differences(gpu, cpu) == [], r["config"]
+        assert sum(len(evicted) for _, _, evicted in gpu[0]) > 0 or r["config"]["capacity"] in (1, 2500)

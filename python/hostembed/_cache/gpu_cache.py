@@ -269,7 +269,7 @@ class GpuRowCache(RowCache):
         warnings.warn(f"hostembed: {why} has no GPU update of a row cache's records; they move to host memory "
                       "(SparseAdam updates them on the GPU)", stacklevel=5)
         self.flush()
-        cache = RowCache(self.table, self.capacity, lookahead=True, device="cpu")
+        cache = RowCache(self.table, self.capacity, lookahead=True)
         self.table.cache, self.table.planned = cache, None
         return cache
 

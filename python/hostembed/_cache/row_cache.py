@@ -7,7 +7,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from .._core.ops import gpu as gpu_ops, update as update_ops
+from .._core.ops import update as update_ops
 from .._core.ops.cache_plan import CachePlan, CachePlanner
 from .._core.table import HostTable, table_of
 
@@ -38,14 +38,13 @@ class CacheConflict(RuntimeError):
 
 class RowCache:
     """A host table's rows, and their optimizer state, kept in `capacity`
-    slots (records) and moved as the planner says: each batch's rows are
-    read and updated in their slots, or in host memory where they bypass
-    the cache, and the results are bit for bit the uncached table's. The
-    records are host memory (a HostTable of `capacity` rows, updated by
-    the same core), which keeps the executor's logic, and the order of its
-    moves, testable on the CPU; or (device a GPU, float32 tables) GPU
-    memory, where SparseAdam updates them with the GPU kernel (another
-    optimizer's first update moves them to host memory, with a warning).
+    slots (records) and moved as the CPU planner says: each batch's rows
+    are read and updated in their slots, or in host memory where they
+    bypass the cache, and the results are bit for bit the uncached
+    table's. The records are host memory (a HostTable of `capacity` rows,
+    updated by the same core, every optimizer). A cache in GPU memory is
+    a GpuRowCache (gpu_cache.py), which keeps this class's coherence with
+    host memory and plans on the GPU.
 
     A batch: plan(unique) (evictions and fetches done, the flagged ones
     too unless lookahead), rows(plan, unique) for the forward, update(...)
@@ -62,13 +61,10 @@ class RowCache:
     from it at the next plan, update or flush. Both at once cannot be
     resolved (CacheConflict)."""
 
-    def __init__(self, table, capacity: int, *, lookahead: bool = False, device="cpu"):
+    def __init__(self, table, capacity: int, *, lookahead: bool = False):
         self.table = table
         self.lookahead = lookahead
-        self.device = torch.device(device)
-        if self.device.type != "cpu" and table.dtype != torch.float32:
-            raise ValueError(f"hostembed: a row cache in GPU memory takes float32 tables (its kernels do), not "
-                             f"{table.dtype}")
+        self.device = torch.device("cpu")
         self.planner = CachePlanner(table.num_rows, capacity, lookahead=lookahead)
         # The records' HostTable when they are in host memory (the core
         # updates them as a table of `capacity` rows), else None.
@@ -86,9 +82,10 @@ class RowCache:
         # host memory.
         self.pending = torch.empty(0, dtype=torch.int64)
         self.moved = {"fetched_bytes": 0, "written_back_bytes": 0}
-        # GPU records: an event after the last work on them (_ordered), and
-        # the device of the gradient rows the last update of records read
-        # (tests check that a GPU cache was updated from the GPU's sums).
+        # GPU records (GpuRowCache): an event after the last work on them
+        # (_ordered), and the device of the gradient rows the last update of
+        # records read (tests check that a GPU cache was updated from the
+        # GPU's sums).
         self._last_use = None
         self.last_update_from = None
 
@@ -122,7 +119,7 @@ class RowCache:
     def _read_in(self, records, host):
         """Every live record's values read from its row of `host`."""
         slots = self._live_slots()
-        records[slots.to(self.device)] = host[self.row_of_slot[slots]].to(self.device)
+        records[slots] = host[self.row_of_slot[slots]]
 
     def _record_bytes(self):
         return sum(t[:1].nbytes for t in self.cached.values())
@@ -192,7 +189,7 @@ class RowCache:
         plan = self.planner.plan(unique)
         evict_slot = plan.evict_slot.long()
         for key, host in self.host.items():
-            host[plan.evict_row] = self.cached[key][evict_slot.to(self.device)].cpu()
+            host[plan.evict_row] = self.cached[key][evict_slot]
         self.moved["written_back_bytes"] += plan.evict_row.numel() * self._record_bytes()
         self._seen()
         self.row_of_slot[evict_slot] = -1
@@ -213,7 +210,7 @@ class RowCache:
     def _fetch(self, plan, which):
         rows, slots = plan.fetch_row[which], plan.fetch_slot[which].long()
         for key, host in self.host.items():
-            self.cached[key][slots.to(self.device)] = host[rows].to(self.device)
+            self.cached[key][slots] = host[rows]
         self.row_of_slot[slots] = rows
         self.moved["fetched_bytes"] += rows.numel() * self._record_bytes()
 
@@ -222,10 +219,9 @@ class RowCache:
         """The batch's rows, unique[k]'s in row k: from its slot, or from
         host memory for a row that bypassed the cache."""
         cached = plan.slot >= 0
-        out = torch.empty(unique.numel(), self.table.dim, dtype=self.table.dtype, device=self.device)
-        mask = cached.to(self.device)
-        out[mask] = self.cached["weight"][plan.slot[cached].long().to(self.device)]
-        out[~mask] = self.table.tensor[unique[~cached]].to(self.device)
+        out = torch.empty(unique.numel(), self.table.dim, dtype=self.table.dtype)
+        out[cached] = self.cached["weight"][plan.slot[cached].long()]
+        out[~cached] = self.table.tensor[unique[~cached]]
         return out
 
     @_ordered
@@ -237,46 +233,17 @@ class RowCache:
         table raises IndexError before anything is written."""
         host_indices = indices.cpu()
         slots = self.planner.slots_of(host_indices).long()
-        if self.device.type != "cpu" and kind != update_ops.ADAM:
-            self._move_records_to_host(update_ops.optimizer_name(kind))
         self._sync()
         for key, tensor in state.items():
             if self.host.get(key) is not tensor:
                 self.attach_state(key, tensor)
         self.last_update_from = values.device
-        if self.device.type == "cpu":
-            values = values.cpu()
-            cached = (slots >= 0) & ~torch.isin(host_indices, self.pending)
-            update_ops.update_rows(kind, self.records, {k: self.cached[k] for k in state}, slots[cached], values[cached],
-                             **hyper)
-            host_values = values[~cached]
-        else:
-            if host_indices.numel() > 1 and not bool((host_indices[1:] > host_indices[:-1]).all()) \
-                    and torch.unique(host_indices).numel() != host_indices.numel():
-                # The kernel takes each slot once: repeats summed as the core
-                # sums them (in position order).
-                host_indices, values = update_ops.sum_repeated_rows(self.table, host_indices, values.cpu())
-                slots = self.planner.slots_of(host_indices).long()
-            cached = (slots >= 0) & ~torch.isin(host_indices, self.pending)
-            values, on_device = values.to(self.device), cached.to(self.device)
-            gpu_ops.records_adam_update(*(self.cached[k] for k in ("weight", "exp_avg", "exp_avg_sq")),
-                                     slots[cached].to(self.device), values[on_device], **hyper)
-            host_values = values[~on_device].cpu()
-        update_ops.update_rows(kind, self.table, state, host_indices[~cached], host_values, **hyper)
+        values = values.cpu()
+        cached = (slots >= 0) & ~torch.isin(host_indices, self.pending)
+        update_ops.update_rows(kind, self.records, {k: self.cached[k] for k in state}, slots[cached], values[cached],
+                               **hyper)
+        update_ops.update_rows(kind, self.table, state, host_indices[~cached], values[~cached], **hyper)
         self.dirty.update(("weight", *state))
-
-    def _move_records_to_host(self, why):
-        """The records, as they are, into host memory, for an update the
-        GPU kernels do not have."""
-        warnings.warn(f"hostembed: {why} has no GPU update of a row cache's records; they move to host memory "
-                      "(SparseAdam updates them on the GPU)", stacklevel=4)
-        moved = {}
-        self.device, self.records = torch.device("cpu"), None
-        for key, records in self.cached.items():  # the weight's first
-            target = self._new_records(weight=key == "weight", per_row=records.dim() == 1)
-            target.copy_(records.cpu())
-            moved[key] = target
-        self.cached = moved
 
     @_ordered
     def flush(self, keys=None) -> None:
@@ -286,7 +253,7 @@ class RowCache:
         slots = self._live_slots()
         for key in self.host if keys is None else keys:
             if key in self.dirty:
-                self.host[key][self.row_of_slot[slots]] = self.cached[key][slots.to(self.device)].cpu()
+                self.host[key][self.row_of_slot[slots]] = self.cached[key][slots]
                 self.moved["written_back_bytes"] += slots.numel() * self.cached[key][:1].nbytes
                 self.dirty.discard(key)
         self._seen()

@@ -10,7 +10,7 @@ imports from those layers (_cache, io, nn, optim).
                table, the lookup gradients a backward pass hands over
   ops/         the calls into the extension (_C): custom ops on the CPU, the
                optimizers' updates in host memory, the GPU path, the cache
-               planner
+               planners (CPU and GPU)
 
 Adding a table dtype: its code in include/he_dtype.h and table.py's
 DTYPE_CODES (with its compute dtype), then the core's conversions

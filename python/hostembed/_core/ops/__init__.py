@@ -10,8 +10,10 @@ namespace ``hostembed``) and the cache planner, by engine:
   gpu.py         the GPU path: the zero-copy gather from pinned host memory,
                  the GPU dedup and reduce, SparseAdam's kernel, weight.grad's
                  GPU twin
-  cache_plan.py  the row cache's planner: which slot holds which row, what a
-                 batch moves
+  cache_plan.py  the row cache's planner on the CPU: which slot holds which
+                 row, what a batch moves
+  gpu_cache.py   the same planner on the GPU (its state in GPU memory), and
+                 the cache's moves, gather and SparseAdam there
 
 Adding an op: the core function in csrc/ (or a launcher in cuda/), its
 keyword-only binding in binding/, then a function here, in the file of its

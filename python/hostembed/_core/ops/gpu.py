@@ -1,6 +1,6 @@
 """The GPU path's ops: outputs on a GPU, rows read straight from the table
 in pinned host memory, gradients summed on the GPU, and SparseAdam's update
-by a kernel through the pinned mapping (or on a GPU row cache's records).
+by a kernel through the pinned mapping (a GPU row cache's: gpu_cache.py).
 
 forward: dedup the ids on the GPU (CUB sort; the one host wait of a lookup,
 for the range check and the unique count), max_norm on the unique rows in
@@ -293,36 +293,6 @@ def _(weight, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps, step,
 def gpu_adam_update(*args, **hyper):
     """gpu_sparse_adam_ (the op under torch.compile)."""
     return (gpu_sparse_adam_.op if torch.compiler.is_compiling() else gpu_sparse_adam_)(*args, **hyper)
-
-
-def records_adam_update(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, slots: Tensor, values: Tensor, *,
-                        lr: float, step: int, maximize: bool, beta1: float, beta2: float, eps: float,
-                        weight_decay: float = 0.0, lr_decay: float = 0.0) -> None:
-    """SparseAdam's update of a GPU row cache's records (_cache.RowCache):
-    weight, exp_avg and exp_avg_sq [slots, dim] float32 on one GPU, rows
-    `slots` (distinct, in range: the planner's) with gradient rows
-    `values`, by the GPU kernel, on the current stream."""
-    need_cuda("a row cache's GPU update")
-    device = weight.device
-    dim = weight.shape[1]
-    for name, tensor in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("weight", weight)):
-        if tensor.device != device or tensor.dtype != torch.float32 or not tensor.is_contiguous() \
-                or tensor.shape != weight.shape:
-            raise RuntimeError(f"hostembed: a row cache's {name} records must be contiguous float32 "
-                               f"{list(weight.shape)} on {device}, got {list(tensor.shape)} {tensor.dtype} on "
-                               f"{tensor.device}")
-    slots = slots.to(device=device, dtype=torch.int64).contiguous()
-    values = values.to(device=device, dtype=torch.float32).contiguous()
-    if values.shape != (slots.numel(), dim):
-        raise RuntimeError(f"hostembed: {slots.numel()} slots need [{slots.numel()}, {dim}] gradient rows, got "
-                           f"{list(values.shape)}")
-    with torch.cuda.device(device):
-        stream = torch.cuda.current_stream(device)
-        _C.cuda_sparse_adam_records(weight=address(weight), exp_avg=address(exp_avg),
-                                    exp_avg_sq=address(exp_avg_sq), dim=dim, slots=address(slots),
-                                    values=address(values), nnz=slots.numel(), lr=lr, beta1=beta1, beta2=beta2,
-                                    eps=eps, step=step, maximize=maximize, weight_decay=weight_decay,
-                                    device=device.index, stream=stream.cuda_stream)
 
 
 class GradTwin:
