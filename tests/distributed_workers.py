@@ -419,12 +419,34 @@ def shared_refusals(rank, world):
     return out
 
 
+def shared_out_of_range(rank, world):
+    """A bad id on the last rank of a SharedEmbedding, every rank staying
+    alive: each raises in forward (none waits in backward's exchange), no
+    row changes, and the group trains on."""
+    emb = hd.SharedEmbedding.from_pretrained(initial_table(), freeze=False)
+    opt = hostembed.SparseAdam(emb.parameters(), lr=0.1)
+    emb(torch.tensor([rank, 5])).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    dist.barrier()
+    before = emb.table.weight.detach().clone()
+    ids = torch.tensor([3, ROWS + 5]) if rank == world - 1 else torch.tensor([1, 2])
+    message = raised(IndexError, lambda: emb(ids).pow(2).sum().backward())
+    dist.barrier()
+    unchanged = torch.equal(before, emb.table.weight.detach())
+    emb(torch.tensor([rank, 7])).pow(2).sum().backward()
+    opt.step()
+    dist.barrier()
+    return {"message": message, "unchanged": unchanged,
+            "trained": not torch.equal(before[7], emb.table.weight.detach()[7])}
+
+
 JOBS = {"train": train, "out_of_range": out_of_range, "mismatched": mismatched, "with_ddp": with_ddp,
         "reshard": reshard, "load_foreign": load_foreign, "rank_dies": rank_dies,
         "train_shared": train_shared, "shared_refusals": shared_refusals, "train_bags": train_bags,
         "train_host_sharded": train_host_sharded, "uneven_hosts": uneven_hosts,
         "shared_memory": shared_memory, "on_device": on_device, "moves_and_casts": moves_and_casts,
-        "from_single_process": from_single_process}
+        "from_single_process": from_single_process, "shared_out_of_range": shared_out_of_range}
 
 
 def worker(rank, world, outdir, job, args):
@@ -443,3 +465,4 @@ def worker(rank, world, outdir, job, args):
     # group's teardown aborts a process now and then ("terminate called
     # without an active exception", seen in CI), after its work is done.
     os._exit(0)
+

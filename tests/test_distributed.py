@@ -169,6 +169,13 @@ def test_an_id_out_of_range_on_one_rank_raises_on_every_rank(tmp_path):
         assert r["unchanged"] and r["good"]
 
 
+def test_an_id_out_of_range_on_one_rank_of_a_shared_table_raises_on_every_rank(tmp_path):
+    for r in run_ranks(2, "shared_out_of_range", tmp_path):
+        assert r["message"] is not None, "no IndexError"
+        assert "id 605 at position 1 of rank 1" in r["message"], r["message"]
+        assert r["unchanged"] and r["trained"]
+
+
 def test_ranks_building_different_tables_are_refused_on_every_rank(tmp_path):
     results = run_ranks(2, "mismatched", tmp_path)
     for r in results:

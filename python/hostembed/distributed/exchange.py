@@ -1,8 +1,9 @@
 """What a row-sharded lookup sends between ranks, on torch.distributed: the
 split of a batch's distinct ids by owner, the ids' exchange, and the rows'
 exchange as an autograd Function whose backward sends the gradient rows
-back the way the rows came; and the expansion of the distinct ids' rows to
-the batch's positions, whose backward sums them with the core."""
+back the way the rows came; the expansion of the distinct ids' rows to
+the batch's positions, whose backward sums them with the core; and the
+check that tells every rank of an id out of range on any rank."""
 import torch
 import torch.distributed as dist
 
@@ -26,6 +27,30 @@ def comm_device(group) -> torch.device:
     if "nccl" in backend and "cpu:" not in backend:  # "nccl", "cuda:nccl"
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def first_out_of_range(ids: torch.Tensor, num_rows: int) -> list:
+    """[id, position] of the first of `ids` (flattened) outside [0,
+    num_rows), or [0, -1] when there is none."""
+    flat = ids.reshape(-1)
+    if flat.numel() == 0:
+        return [0, -1]
+    low, high = torch.aminmax(flat)  # one pass; the position only for a batch that has a bad id
+    if int(low) >= 0 and int(high) < num_rows:
+        return [0, -1]
+    at = int(((flat < 0) | (flat >= num_rows)).nonzero()[0, 0])
+    return [int(flat[at]), at]
+
+
+def out_of_range_on_ranks(first_bad: list, group) -> list:
+    """Every rank's first_out_of_range, in rank order, from one all-gather
+    (every rank must call it: it is a barrier too)."""
+    device = comm_device(group)
+    got = torch.empty(dist.get_world_size(group), len(first_bad), dtype=torch.int64, device=device)
+    # torch 2.13 deprecates all_gather_into_tensor for all_gather_single, which torch 2.1 lacks.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(got, torch.tensor([first_bad], dtype=torch.int64, device=device), group=group)
+    return got.tolist()
 
 
 def exchange_counts(send: list, group) -> list:

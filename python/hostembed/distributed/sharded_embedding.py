@@ -11,7 +11,8 @@ from .._core.ids import prepare_ids
 from .._core.ops import cpu as cpu_ops
 from ..nn.embedding import Embedding
 from .agreement import agree, check_pretrained
-from .exchange import ExchangeRows, ExpandRows, comm_device, exchange, split_by_owner
+from .exchange import (ExchangeRows, ExpandRows, comm_device, exchange, first_out_of_range, out_of_range_on_ranks,
+                       split_by_owner)
 from .shared_embedding import SharedEmbedding
 
 WHO = "hostembed.distributed.ShardedEmbedding"
@@ -90,19 +91,19 @@ class _RowSharded(nn.Module):
         owners' shards), the core's sort of the ids, and each id's index in
         unique. An id outside the table on any rank raises IndexError on
         every rank before any id travels."""
-        bad = ((flat < 0) | (flat >= self.num_embeddings)).nonzero()
-        first_bad = [int(flat[bad[0, 0]]), int(bad[0, 0])] if bad.numel() else [0, -1]
+        first_bad = first_out_of_range(flat, self.num_embeddings)
+        bad = first_bad[1] >= 0
         if self._whole_group is not None:
             # The exchanges below reach only this rank's peers on the other
             # hosts: every rank of the group hears of a bad id first.
             self._range_check_everywhere(first_bad)
-        if bad.numel():  # sends nothing: every rank raises after the counts' exchange
+        if bad:  # sends nothing: every rank raises after the counts' exchange
             dedup, unique, inverse = None, flat.new_empty(0, dtype=torch.int64), None
         else:
             # The core's threaded sort, kept for backward's sums (ExpandRows).
             dedup, unique, inverse = cpu_ops.dedup_ids(flat, self.num_embeddings)
         if self.world_size == 1:  # every row is this rank's: nothing travels
-            if bad.numel():
+            if bad:
                 self._raise_out_of_range(*first_bad, 0)
             return self.shard(unique), dedup, unique, inverse
         send = split_by_owner(unique, self._bounds)
@@ -130,11 +131,7 @@ class _RowSharded(nn.Module):
         """IndexError on every rank of the whole group if any has an id
         outside the table (first_bad: [id, position], position -1 for
         none), from one all-gather."""
-        group = self._whole_group
-        device = comm_device(group)
-        got = torch.empty(dist.get_world_size(group), 2, dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(got, torch.tensor([first_bad], dtype=torch.int64, device=device), group=group)
-        for r, (bad_id, position) in enumerate(got.tolist()):
+        for r, (bad_id, position) in enumerate(out_of_range_on_ranks(first_bad, self._whole_group)):
             if position >= 0:
                 self._raise_out_of_range(bad_id, position, r)
 

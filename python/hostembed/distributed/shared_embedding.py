@@ -10,13 +10,14 @@ import torch.distributed as dist
 from torch import nn
 
 from .._core.fused import RowGradient
+from .._core.ids import check_ids
 from .._core.ops import update as update_ops
 from .._core.table import HostTable, map_shared
 from ..io.stream import copy_rows
 from ..nn.embedding import Embedding
 from ..nn.host_module import UNINITIALISED
 from .agreement import agree, check_pretrained
-from .exchange import exchange, exchange_counts, split_by_owner
+from .exchange import exchange, exchange_counts, first_out_of_range, out_of_range_on_ranks, split_by_owner
 
 WHO = "hostembed.distributed.SharedEmbedding"
 
@@ -39,7 +40,9 @@ class SharedEmbedding(nn.Module):
     (the gradient of the sum of the ranks' losses), and its optimizer
     updates those rows, and their state, which stays in the rank's own
     memory (only its range's pages are ever written). Each forward starts
-    with a barrier, so no rank reads a row another rank is still updating.
+    with a barrier, so no rank reads a row another rank is still updating;
+    an id outside the table on any rank raises ``IndexError`` there on
+    every rank, naming the id and its rank, before anything is read.
     Every rank must call forward and backward the same number of times,
     like any collective.
 
@@ -108,8 +111,17 @@ class SharedEmbedding(nn.Module):
         return module
 
     def forward(self, input):
-        # Every rank's last update is done before any rank reads.
-        dist.barrier(group=self.process_group)
+        # One all-gather of each rank's first id out of range: the barrier
+        # after which no rank reads a row another is still updating, and an
+        # IndexError on every rank for a bad id on any, before anything is
+        # read (a rank left to go on would wait in backward's exchange).
+        check_ids(input, WHO)
+        first_bad = first_out_of_range(input, self.num_embeddings)
+        for rank, (bad_id, position) in enumerate(out_of_range_on_ranks(first_bad, self.process_group)):
+            if position >= 0:
+                raise IndexError(f"{WHO}: id {bad_id} at position {position} of rank {rank}'s ids is out of range "
+                                 f"for a table of {self.num_embeddings} rows (raised on every rank; nothing was "
+                                 "looked up)")
         return self.table(input)
 
     def _exchange_gradient(self, param):
