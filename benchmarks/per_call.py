@@ -1,10 +1,19 @@
 """The fixed cost of one lookup call: hostembed's Embedding and EmbeddingBag
-against torch's on a table too big to cache, for batches from 512 ids up,
-with gradients enabled and under no_grad (forward only).
+against torch's on a table too big to cache, for batches from 512 ids up:
+forward and backward (of a fixed output gradient, weight.grad dropped
+after), and forward alone under no_grad. hostembed's Embedding picks its
+path by the call's size (torch's op on the table's weight up to
+TORCH_OP_MAX_IDS ids, the core above); "core path" forces the core at
+every size, which shows where the crossover lies.
 
 Each size times every contender in rounds, the order alternating, after a
 warm-up; the figure is the median of all rounds. Outputs are checked equal
-to torch's first (the same table).
+to torch's first (the same table). A second table times a whole training
+step of the Embeddings (forward, backward, the optimizer's step: torch's
+SparseAdam for torch's module, hostembed's for hostembed's, both paths),
+which is where the crossover between the paths is decided: torch's
+backward leaves a row a position for the optimizer to sum, the core's
+sums them in backward.
 
     python benchmarks/per_call.py                       # 2M x 64, 512 .. 1M ids
     python benchmarks/per_call.py --sizes 512,8192 --rounds 50
@@ -21,18 +30,32 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import RESULTS_DIR, OtherLoad, fail, log, machine_info, require_hostembed, usable_cpus, write_json  # noqa: E402
 
 hostembed = require_hostembed()
+from hostembed._core.ops import cpu as cpu_ops  # noqa: E402  (after the build check above)
 
 
 def contenders(rows, dim):
     torch.manual_seed(0)
-    ref = torch.nn.Embedding(rows, dim)
+    # sparse=True: a dense gradient of the whole table a call would time the table's size, not the call.
+    ref = torch.nn.Embedding(rows, dim, sparse=True)
     ours = hostembed.Embedding.from_pretrained(ref.weight.detach(), freeze=False)
-    ref_bag = torch.nn.EmbeddingBag(rows, dim, mode="sum")
+    ref_bag = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
     ref_bag.weight.data.copy_(ref.weight.detach())
     ours_bag = hostembed.EmbeddingBag.from_pretrained(ref.weight.detach(), freeze=False, mode="sum")
     # Bags of 4 ids: a 2-D input [n / 4, 4].
+    core = hostembed.Embedding.from_pretrained(ref.weight.detach(), freeze=False)
     return {"torch Embedding": (ref, False), "hostembed Embedding": (ours, False),
+            "hostembed Embedding, core path": (core, False),
             "torch EmbeddingBag (bags of 4)": (ref_bag, True), "hostembed EmbeddingBag (bags of 4)": (ours_bag, True)}
+
+
+class _CorePath:
+    """Every lookup inside through the core, whatever its size."""
+
+    def __enter__(self):
+        self.limit, cpu_ops.TORCH_OP_MAX_IDS = cpu_ops.TORCH_OP_MAX_IDS, -1
+
+    def __exit__(self, *exc):
+        cpu_ops.TORCH_OP_MAX_IDS = self.limit
 
 
 def main(argv=None):
@@ -48,44 +71,104 @@ def main(argv=None):
     hostembed.set_num_threads(args.threads)
     models = contenders(args.rows, args.dim)
     load = OtherLoad()
-    results = {}
+    results, steps = {}, {}
     g = torch.Generator().manual_seed(1)
-    for size in (int(s) for s in args.sizes.split(",")):
-        ids = torch.randint(0, args.rows, (size // 4, 4), generator=g)
+    batches = {size: torch.randint(0, args.rows, (size // 4, 4), generator=g)
+               for size in (int(s) for s in args.sizes.split(","))}
+    # Checked before any timing: the training steps timed below move each
+    # contender's rows its own way.
+    for size, ids in batches.items():
         flat = ids.reshape(-1)
-        if not torch.equal(models["hostembed Embedding"][0](flat), models["torch Embedding"][0](flat)) or \
-                not torch.equal(models["hostembed EmbeddingBag (bags of 4)"][0](ids),
-                                models["torch EmbeddingBag (bags of 4)"][0](ids)):
-            fail(f"hostembed's outputs differ from torch's at {size} ids")
+        for name in ("hostembed Embedding", "hostembed Embedding, core path"):
+            with _CorePath() if "core path" in name else _nothing():
+                same = torch.equal(models[name][0](flat), models["torch Embedding"][0](flat))
+            if not same:
+                fail(f"{name}'s outputs differ from torch's at {size} ids")
+        if not torch.equal(models["hostembed EmbeddingBag (bags of 4)"][0](ids),
+                           models["torch EmbeddingBag (bags of 4)"][0](ids)):
+            fail(f"hostembed's EmbeddingBag outputs differ from torch's at {size} ids")
+    for size, ids in batches.items():
+        flat = ids.reshape(-1)
         reps = max(1, min(200, 2_000_000 // size))
+        grad_out = {bag: torch.randn(*(ids.shape[:1] if bag else flat.shape), args.dim, generator=g)
+                    for bag in (False, True)}
         times = {(name, grad): [] for name in models for grad in (True, False)}
+
+        def call(module, x, bag, grad):
+            if not grad:
+                module(x)
+                return
+            module(x).backward(grad_out[bag])
+            module.weight.grad = None
+
         for r in range(args.rounds):
             order = list(models) if r % 2 == 0 else list(models)[::-1]
             for name in order:
                 module, bag = models[name]
                 x = ids if bag else flat
                 for grad in (True, False):
-                    with torch.set_grad_enabled(grad):
-                        module(x)  # warm
+                    with torch.set_grad_enabled(grad), (_CorePath() if "core path" in name else _nothing()):
+                        call(module, x, bag, grad)  # warm
                         t0 = time.perf_counter()
                         for _ in range(reps):
-                            module(x)
+                            call(module, x, bag, grad)
                         times[(name, grad)].append((time.perf_counter() - t0) / reps)
         results[size] = {f"{name} | {'grad' if grad else 'no_grad'}": statistics.median(s) * 1e6
                          for (name, grad), s in times.items()}
         log(f"{size} ids done")
+        steps[size] = _step_times(models, flat, grad_out[False], args.rounds, reps)
     other = load.fraction()
     sizes = list(results)
-    print(f"\nOne forward call, median us, table [{args.rows:,}, {args.dim}], {args.threads} threads "
-          f"(grad enabled / no_grad); other load {'n/a' if other is None else f'{other:.0%}'}\n")
+    print(f"\nOne call, median us, table [{args.rows:,}, {args.dim}], {args.threads} threads "
+          f"(forward + backward / forward under no_grad); other load {'n/a' if other is None else f'{other:.0%}'}\n")
     print("| ids per call | " + " | ".join(models) + " |")
     print("|---:|" + "---:|" * len(models))
     for size in sizes:
         cells = [f"{results[size][f'{n} | grad']:,.0f} / {results[size][f'{n} | no_grad']:,.0f}" for n in models]
         print(f"| {size:,} | " + " | ".join(cells) + " |")
+    print(f"\nOne training step of the Embedding (forward, backward, SparseAdam's step), median us\n")
+    print("| ids per call | " + " | ".join(STEP_CONTENDERS) + " |")
+    print("|---:|" + "---:|" * len(STEP_CONTENDERS))
+    for size in sizes:
+        print(f"| {size:,} | " + " | ".join(f"{steps[size][n]:,.0f}" for n in STEP_CONTENDERS) + " |")
     write_json(args.json, {"args": vars(args), "machine": machine_info(), "other_load": other,
-                           "median_us": {str(k): v for k, v in results.items()}})
+                           "median_us": {str(k): v for k, v in results.items()},
+                           "step_median_us": {str(k): v for k, v in steps.items()}})
     log(f"wrote {args.json}")
+
+
+STEP_CONTENDERS = ("torch Embedding", "hostembed Embedding", "hostembed Embedding, core path")
+
+
+def _step_times(models, ids, grad_out, rounds, reps):
+    """Median us of forward + backward + SparseAdam's step, per Embedding
+    contender, in rounds of alternating order (each its own optimizer)."""
+    opts = {name: (torch.optim.SparseAdam if name.startswith("torch") else hostembed.SparseAdam)(
+        models[name][0].parameters(), lr=1e-4) for name in STEP_CONTENDERS}
+    times = {name: [] for name in STEP_CONTENDERS}
+    for name in STEP_CONTENDERS:  # the optimizer's state made (and its memory touched) before any timing
+        models[name][0](ids).backward(grad_out)
+        opts[name].step()
+        opts[name].zero_grad()
+    for r in range(rounds):
+        for name in (STEP_CONTENDERS if r % 2 == 0 else STEP_CONTENDERS[::-1]):
+            module, opt = models[name][0], opts[name]
+            with _CorePath() if "core path" in name else _nothing():
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    module(ids).backward(grad_out)
+                    opt.step()
+                    opt.zero_grad()
+                times[name].append((time.perf_counter() - t0) / reps)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 if __name__ == "__main__":

@@ -67,6 +67,15 @@ def eager_autograd(fn, setup_context, backward):
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def functorch_active() -> bool:
+    """Whether a functorch transform (vmap, grad) is active (True where
+    torch cannot tell)."""
+    return _functorch_active is None or _functorch_active()
+
+
 def applier(function):
     """function.apply (an autograd.Function) without torch's Python wrapper
     around it when no functorch transform (vmap, grad) is active: the

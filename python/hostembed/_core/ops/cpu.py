@@ -9,7 +9,7 @@ from torch import Tensor
 from .. import _C
 from .. import fused as _fused
 from ..table import DTYPE_CODES, compute_dtype, host_table_of
-from .common import address, applier, cpu_ids_args, custom_op, float_rows, scratch, weight_grad
+from .common import address, applier, cpu_ids_args, custom_op, float_rows, functorch_active, scratch, weight_grad
 
 
 def unique_ids(ids: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
@@ -201,12 +201,51 @@ class _LookupEager(torch.autograd.Function):
 _lookup_eager = applier(_LookupEager)
 
 
+# A call of at most this many ids runs through torch's own embedding op on
+# the table's weight (a CPU tensor over the table's memory): torch's C++
+# autograd node makes its row-sparse gradient, which hostembed's
+# optimizers take as they take the core's (they sum repeated rows). Below
+# it the core's threads and dedup do not pay for a Python autograd
+# Function's fixed cost; above it they do. benchmarks/per_call.py's
+# training step (2M x 64, uniform ids, 2 threads, 2026-11-26): SparseAdam
+# and SGD equal either way at 8,192 ids, the core 5-8% faster at 32,768
+# and 1.4-2.5x from 131,072; torch's op ahead by the Function's ~50 us
+# below 8,192.
+TORCH_OP_MAX_IDS = 8192
+
+
+def torch_op_lookup(weight, ids, padding_idx, sparse):
+    """weight[ids] by torch's embedding op, or None where the core's lookup
+    must run: the table not float32 (the core sums a half table's gradient
+    in float32), a prefetch waiting for this call, a distributed table, a
+    functorch transform (the core's Function refuses it in torch's words,
+    whatever the call's size)."""
+    table = host_table_of(weight, "a lookup")
+    if table.dtype != torch.float32 or table.prefetch is not None or table.sharded or functorch_active():
+        return None
+    _C.check_ids(**cpu_ids_args(ids), num_rows=table.num_rows)  # hostembed's IndexError, before any read
+    with table.lock:  # no update of the rows from another thread meanwhile
+        if table.last_gpu_use is not None:
+            table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
+        return torch.nn.functional.embedding(ids, weight, None if padding_idx < 0 else padding_idx, sparse=sparse)
+
+
 def embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
-    """weight[ids] on the CPU, differentiable (see lookup)."""
+    """weight[ids] on the CPU, differentiable (see lookup); a small call
+    through torch's own op (TORCH_OP_MAX_IDS), with the same output and,
+    once coalesced, the same gradient."""
     args = (weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
     if torch.compiler.is_compiling():
         return lookup.op(*args)
-    if not (weight.requires_grad and torch.is_grad_enabled()) and not torch.jit.is_tracing():
+    grad = weight.requires_grad and torch.is_grad_enabled()
+    # With a gradient: torch's sparse backward has no scale_grad_by_freq,
+    # and its dense one sums in another order than the core.
+    if ids.numel() <= TORCH_OP_MAX_IDS and max_norm is None and not (grad and (scale_grad_by_freq or not sparse)) \
+            and not torch.jit.is_tracing():
+        out = torch_op_lookup(weight, ids, padding_idx, sparse)
+        if out is not None:
+            return out
+    if not grad and not torch.jit.is_tracing():
         # Nothing to record: the autograd Function's own cost (about 15 us
         # a call) would be most of a small lookup's.
         return lookup_rows(weight, ids, max_norm, norm_type)[0]
