@@ -124,3 +124,21 @@ def test_another_optimizer_moves_the_cache_to_host_records():
     assert type(tables[1].cache).__name__ == "RowCache" and tables[1].cache.device.type == "cpu"
     tables[1].cache.flush()
     assert torch.equal(tables[1].tensor, tables[0].tensor)
+
+
+def test_two_host_tensors_written_at_once_are_both_reread():
+    # The weight and a state tensor written through torch while the cache
+    # holds them clean: both records re-read at the next batch.
+    rows, dim = 60, 4
+    table = HostTable(rows, dim)
+    state = {"exp_avg": table.zeros(), "exp_avg_sq": table.zeros()}
+    cache = GpuRowCache(table, 8, device="cpu")
+    unique = torch.tensor([2, 9])
+    cache.plan_batch(unique, 2)
+    cache.update(_ops.ADAM, state, unique, torch.ones(2, dim), step=1, **HYPER)
+    cache.flush()
+    table.tensor.copy_(torch.full((rows, dim), 3.0))
+    state["exp_avg"].copy_(torch.full((rows, dim), 0.5))
+    cache.plan_batch(unique, 2)
+    assert torch.equal(cache.cached["weight"][cache.ops.planner.slots_of(unique).long()], torch.full((2, dim), 3.0))
+    assert torch.equal(cache.cached["exp_avg"][cache.ops.planner.slots_of(unique).long()], torch.full((2, dim), 0.5))

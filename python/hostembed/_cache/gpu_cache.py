@@ -184,9 +184,13 @@ class GpuRowCache(RowCache):
         self._seen()
 
     def _read_in(self, records, host):
+        # Reads host memory only; not _host_memory_used(): _sync() calls this
+        # a key at a time, and marking every key seen would hide another
+        # key's write that it has yet to look at.
         self._host_memory_next()
         self.ops.sync_records([records], [self._host_of(host)], self.table.dim, to_host=False)
-        self._host_memory_used()
+        if self.device.type == "cuda":
+            self.table.record_gpu_use(torch.cuda.current_stream(self.device))
 
     def attach_state(self, key, host_tensor):
         records = super().attach_state(key, host_tensor)
