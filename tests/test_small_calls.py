@@ -166,3 +166,15 @@ def test_a_fused_table_and_a_prefetched_batch_keep_the_core(torch_op_calls):
     with torch.no_grad():
         assert torch.equal(plain(torch.tensor([5, 6])), plain.weight[[5, 6]])  # no prefetch: torch's op
     assert len(torch_op_calls) == 2
+
+
+def test_the_many_tables_benchmark_times_both_kinds_of_module(tmp_path, monkeypatch):
+    import json
+    import pathlib
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    import many_tables
+    out = tmp_path / "many.json"
+    many_tables.main(["--scale", "20000", "--batches", "16", "--steps", "2", "--rounds", "1", "--json", str(out)])
+    steps = json.loads(out.read_text())["ms_per_step"]
+    assert set(steps) == {"embedding 16", "bag 16"}
+    assert all(r["torch"] > 0 and r["hostembed"] > 0 for r in steps.values())
