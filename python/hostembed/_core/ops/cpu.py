@@ -207,10 +207,9 @@ _lookup_eager = applier(_LookupEager)
 # optimizers take as they take the core's (they sum repeated rows). Below
 # it the core's threads and dedup do not pay for a Python autograd
 # Function's fixed cost; above it they do. benchmarks/per_call.py's
-# training step (2M x 64, uniform ids, 2 threads, 2026-11-26): SparseAdam
-# and SGD equal either way at 8,192 ids, the core 5-8% faster at 32,768
-# and 1.4-2.5x from 131,072; torch's op ahead by the Function's ~50 us
-# below 8,192.
+# SparseAdam step (2M x 64, uniform ids, 2 threads, 2026-11-26): torch's
+# op ahead at 2,048 ids (348 us against 405), the two within 11% at 8,192
+# and level at 16,384 and 65,536 (README, One lookup call).
 TORCH_OP_MAX_IDS = 8192
 
 
