@@ -126,7 +126,7 @@ def main(argv=None):
     for size in sizes:
         cells = [f"{results[size][f'{n} | grad']:,.0f} / {results[size][f'{n} | no_grad']:,.0f}" for n in models]
         print(f"| {size:,} | " + " | ".join(cells) + " |")
-    print(f"\nOne training step of the Embedding (forward, backward, SparseAdam's step), median us\n")
+    print("\nOne training step of the Embedding (forward, backward, SparseAdam's step), median us\n")
     print("| ids per call | " + " | ".join(STEP_CONTENDERS) + " |")
     print("|---:|" + "---:|" * len(STEP_CONTENDERS))
     for size in sizes:

@@ -118,7 +118,6 @@ class GpuRowCache(RowCache):
             self.ops.record_table = self.records
         self.version = {"weight": table.tensor._version}
         self.dirty, self.stale = set(), set()
-        self.pending = torch.empty(0, dtype=torch.int64)
         # Bytes moved: written back by flushes, and the record's size from
         # each snapshot of the counts on (a record grows when state is
         # attached), read only when stats are (the counts are on the device).
@@ -300,6 +299,3 @@ class GpuRowCache(RowCache):
 
     def rows(self, plan, unique):
         raise NotImplementedError("GpuRowCache reads rows with gather")
-
-    def finish(self, plan):
-        pass

@@ -2,7 +2,6 @@
 of a cache (records), moved as the planner (_core/ops/cache_plan.py) says;
 and the optimizers' hooks into the caches of their tables."""
 import functools
-import warnings
 
 import torch
 from torch import Tensor

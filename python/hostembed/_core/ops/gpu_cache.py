@@ -117,8 +117,3 @@ class GpuCacheState:
     def occupied(self) -> int:
         """Slots holding a row (waits for the device)."""
         return int((self.row_of >= 0).sum())
-
-    def state(self) -> dict:
-        """The planner's arrays on the CPU, for comparison with the host twin's."""
-        return {"entry": self.entry.cpu(), "row_of": self.row_of.cpu(), "used_at": self.used_at.cpu(),
-                "referenced": self.referenced.cpu(), "hand": int(self.counters[0])}
