@@ -107,12 +107,51 @@ static PyObject *heb_bag_positions(PyObject *mod, PyObject *args, PyObject *kwds
     return PyBool_FromLong(wrote);
 }
 
+/* The checks of pool_bags for bags given by offsets alone (a 1-D input:
+ * the last bag ends with the ids; or none: the ids' range only), without
+ * a table or an output: what a caller pooling them another way needs. */
+static PyObject *heb_check_bags(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"ids", "count", "ids_int64", "offsets", "num_offsets", "num_rows", NULL};
+    HEB_ADDRESS(ids);
+    HEB_ADDRESS(offsets);
+    long long count, num_offsets, num_rows;
+    int ids_int64;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&LpO&LL:check_bags", kwlist, heb_address_converter, &ids,
+                                     &count, &ids_int64, heb_address_converter, &offsets, &num_offsets, &num_rows))
+        return NULL;
+    if (count < 0 || num_offsets < 0 || num_rows < 0 || (num_offsets > 0 && !offsets.ptr)) {
+        PyErr_Format(PyExc_ValueError, "check_bags needs counts >= 0 and offsets, got %lld ids, %lld offsets, "
+                     "%lld rows", count, num_offsets, num_rows);
+        return NULL;
+    }
+    he_bag_batch batch = {0};
+    batch.table.num_rows = num_rows;
+    batch.ids = (he_ids){ids.ptr, count, ids_int64};
+    batch.offsets = offsets.ptr;
+    batch.num_bags = num_offsets;
+    batch.end = count;
+    batch.padding_idx = -1;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_check_bag_batch(&batch);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef heb_bag_methods[] = {
     {"pool_bags", HEB_KW_FUNC(heb_pool_bags), METH_VARARGS | METH_KEYWORDS,
      "pool_bags(*, batches)\n--\n\nPools each batch's bags from its table into its output (a list of tuples: "
      "table, num_rows, dim, dtype, ids, count, ids_int64, offsets, num_offsets, include_last_offset, weights, "
      "padding_idx, mean, out); IndexError for an id outside its table, ValueError for bad offsets, before any "
      "output is written"},
+    {"check_bags", HEB_KW_FUNC(heb_check_bags), METH_VARARGS | METH_KEYWORDS,
+     "check_bags(*, ids, count, ids_int64, offsets, num_offsets, num_rows)\n--\n\npool_bags' checks of bags "
+     "given by int64 offsets, the last ending with the ids (none: the ids' range only), nothing pooled: "
+     "ValueError for bad offsets, IndexError for an id outside [0, num_rows)"},
     {"bag_positions", HEB_KW_FUNC(heb_bag_positions), METH_VARARGS | METH_KEYWORDS,
      "bag_positions(*, batch, bag_of, weights)\n--\n\nWrites each position's bag (int64) and, returning True, "
      "its gradient factor in the table's compute type; False when every factor is 1 (weights not written)"},

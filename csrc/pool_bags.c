@@ -81,7 +81,7 @@ static he_status check_offsets(const he_bag_batch *b)
     return HE_OK;
 }
 
-static he_status check_batch(const he_bag_batch *b)
+he_status he_check_bag_batch(const he_bag_batch *b)
 {
     he_status st = check_offsets(b);
     if (st != HE_OK)
@@ -105,7 +105,7 @@ he_status he_pool_bags(const he_bag_batch *batches, int64_t count, int64_t *bad_
     start[0] = 0;
     for (int64_t i = 0; i < count && st == HE_OK; i++) {
         const he_bag_batch *b = &batches[i];
-        st = check_batch(b);
+        st = he_check_bag_batch(b);
         if (st != HE_OK) {
             if (bad_batch)
                 *bad_batch = i;

@@ -38,6 +38,10 @@ typedef struct he_bag_batch {
  * NULL) says which; HE_ERR_VALUE for offsets that are not as above. */
 he_status he_pool_bags(const he_bag_batch *batches, int64_t count, int64_t *bad_batch);
 
+/* he_pool_bags' checks of one batch (its offsets, then its ids' range),
+ * with nothing pooled: for a caller that pools the bags another way. */
+he_status he_check_bag_batch(const he_bag_batch *batch);
+
 /* Backward's view of one batch: bag_of[p] (each position's bag; positions
  * in no bag point at bag 0) and, unless every factor is 1 (*wrote = 0 then,
  * weights untouched), weights[p] in the table's compute type: 0 for

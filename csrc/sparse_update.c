@@ -280,6 +280,17 @@ he_status he_sparse_update(const he_optim_params *hp, const he_table *weight, co
     he_reduce_opts no_opts = {-1, 0};
     no_opts.dtype = values_dtype;
     st = he_dedup_build(&ids, num_rows, &d);
+    /* A row a position (torch's backward, and hostembed's for float
+     * tables): each sum goes straight into its row's update, as a fused
+     * backward's does, never to memory. A half table's sums are not
+     * rounded here (fused_apply would round them), and a rule with a
+     * prelude needs a long row whole: those are written out first. */
+    if (st == HE_OK && !half_table(weight) && !(u.rule->prelude_f32 && weight->dim > HE_REDUCE_BLOCK)) {
+        he_row_update update = {fused_apply, fused_prefetch, &u};
+        st = he_grad_reduce_apply(d, values, weight->dim, &no_opts, &update);
+        he_dedup_free(d);
+        return st;
+    }
     if (st == HE_OK)
         st = coalesce(d, values, weight->dim, &no_opts, &unique_rows, &sums, &count);
     if (st == HE_OK)

@@ -1,10 +1,9 @@
 """Small CPU lookups through torch's own embedding op on the table's weight
 (_core/ops/cpu.py, TORCH_OP_MAX_IDS): the same outputs bit for bit as the
-core's lookup, gradients equal to the core's once summed per row (torch's
-are not coalesced, as nn.Embedding's are not), the same training bits with
-hostembed's optimizers, hostembed's IndexError for a bad id; the lookups
-that need the core keep it. Which path ran shows in the gradient: the
-core's has one row per distinct id, torch's one per position.
+core's lookup, the same gradient (a row a position, not coalesced, as
+nn.Embedding's), the same training bits with hostembed's optimizers,
+hostembed's IndexError for a bad id; the lookups that need the core keep
+it (torch_op_calls counts the calls that went to torch's op).
 
 hostembed's optimizers sum a gradient's repeated rows in position order,
 as the core's backward does; torch's coalesce() sums them in an order of
@@ -14,9 +13,11 @@ import torch
 
 import hostembed
 from hostembed._core.ops import cpu as cpu_ops
+from hostembed.nn.lookup import bag_cpu
 
 ROWS, DIM = 300, 8
 LIMIT = cpu_ops.TORCH_OP_MAX_IDS
+BAG_LIMIT = bag_cpu.TORCH_OP_MAX_BAG_IDS
 
 
 def _ids(n, seed=0):
@@ -38,21 +39,24 @@ def core_only(monkeypatch):
     monkeypatch.setattr(cpu_ops, "TORCH_OP_MAX_IDS", -1)
 
 
-def test_the_call_size_picks_the_path_and_both_give_the_same_output_and_gradient(monkeypatch):
+def test_the_call_size_picks_the_path_and_both_give_the_same_output_and_gradient(monkeypatch, torch_op_calls):
     torch.manual_seed(0)
     emb = hostembed.Embedding(ROWS, DIM, padding_idx=3)
     for n in (1, LIMIT, LIMIT + 1):
         ids = _ids(n).view(1, n)
         ids[0, 0] = 3  # the padding row: no gradient either way
+        calls = len(torch_op_calls)
         out, grad = _grad_of(emb, ids)
+        assert len(torch_op_calls) == calls + (n <= LIMIT), n
         monkeypatch.setattr(cpu_ops, "TORCH_OP_MAX_IDS", -1)
         core_out, core_grad = _grad_of(emb, ids)
-        monkeypatch.undo()
+        monkeypatch.setattr(cpu_ops, "TORCH_OP_MAX_IDS", LIMIT)
         assert torch.equal(out, core_out) and out.shape == (1, n, DIM)
-        distinct = torch.unique(ids[ids != 3])
-        assert torch.equal(core_grad._indices()[0], distinct)  # the core's: one row a distinct id, ascending
-        assert grad._nnz() == (n - int((ids == 3).sum()) if n <= LIMIT else distinct.numel()), n
-        torch.testing.assert_close(grad.to_dense(), core_grad.to_dense(), rtol=1e-5, atol=1e-5)
+        # Both torch's form: a row a position, the padding row's left out.
+        kept = ids.flatten() != 3
+        for g in (grad, core_grad):
+            assert torch.equal(g._indices()[0], ids.flatten()[kept])
+        assert torch.equal(grad._values(), core_grad._values())
 
 
 @pytest.mark.parametrize("name", ["SparseAdam", "SGD", "Adagrad", "RowWiseAdagrad", "torch.SparseAdam"])
@@ -148,8 +152,8 @@ def test_lookups_the_core_must_do_keep_it(kwargs, torch_op_calls):
     assert grad[4].abs().sum() > 0
     # torch's op was asked only where it could run (a bfloat16 table: asked, and refused).
     assert len(torch_op_calls) == (1 if "dtype" in kwargs else 0)
-    if grad.is_sparse:
-        assert grad._nnz() == 2  # the core's backward: one row a distinct id
+    if grad.is_sparse:  # a row a position, as torch's, unless the core must sum them (frequencies, half rows)
+        assert grad._nnz() == (3 if "max_norm" in kwargs else 2)
 
 
 def test_a_fused_table_and_a_prefetched_batch_keep_the_core(torch_op_calls):
@@ -178,3 +182,99 @@ def test_the_many_tables_benchmark_times_both_kinds_of_module(tmp_path, monkeypa
     steps = json.loads(out.read_text())["ms_per_step"]
     assert set(steps) == {"embedding 16", "bag 16"}
     assert all(r["torch"] > 0 and r["hostembed"] > 0 for r in steps.values())
+
+
+@pytest.fixture
+def torch_bag_calls(monkeypatch):
+    """How many bag lookups went through torch's embedding_bag."""
+    from hostembed._core.ops import bags as bag_ops
+    calls = []
+    real = bag_ops.torch_op_bags
+    monkeypatch.setattr(bag_ops, "torch_op_bags", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def _bag_case(mode, weighted, padding_idx, include_last_offset, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = _ids(40, seed)
+    ids[[3, 17]] = 5  # the padding row, where there is one
+    offsets = torch.tensor([0, 0, 4, 9, 9, 22, 30, 40 if include_last_offset else 35])  # empty bags too
+    weights = torch.randn(40, generator=gen, requires_grad=True) if weighted else None
+    emb = hostembed.EmbeddingBag(ROWS, DIM, mode=mode, padding_idx=padding_idx,
+                                 include_last_offset=include_last_offset)
+    return emb, ids, offsets, weights
+
+
+@pytest.mark.parametrize("mode,weighted", [("sum", False), ("sum", True), ("mean", False)])
+@pytest.mark.parametrize("padding_idx", [None, 5])
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_small_bags_through_torchs_op_give_the_cores_bits(mode, weighted, padding_idx, include_last_offset,
+                                                          monkeypatch, torch_bag_calls):
+    torch.manual_seed(0)
+    emb, ids, offsets, weights = _bag_case(mode, weighted, padding_idx, include_last_offset)
+    results = []
+    for limit in (BAG_LIMIT, -1):
+        monkeypatch.setattr(bag_cpu, "TORCH_OP_MAX_BAG_IDS", limit)
+        calls = len(torch_bag_calls)
+        out = emb(ids, offsets, per_sample_weights=weights)
+        assert len(torch_bag_calls) == calls + (limit > 0)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        grads = torch.autograd.grad((out * g).sum(), [emb.weight] + ([weights] if weighted else []))
+        results.append((out.detach(), *grads))
+    (out, grad, *wgrad), (core_out, core_grad, *core_wgrad) = results
+    assert torch.equal(out, core_out)
+    # A row a position, each its bag's gradient times its share, padding left out.
+    assert torch.equal(grad._indices(), core_grad._indices())
+    assert torch.equal(grad._values(), core_grad._values())
+    if weighted:  # torch sums each dot product in its own order
+        torch.testing.assert_close(wgrad[0], core_wgrad[0], rtol=1e-5, atol=1e-6)
+
+
+def test_small_bags_train_with_the_cores_bits(monkeypatch):
+    tables = []
+    for limit in (BAG_LIMIT, -1):
+        monkeypatch.setattr(bag_cpu, "TORCH_OP_MAX_BAG_IDS", limit)
+        torch.manual_seed(0)
+        emb = hostembed.EmbeddingBag(ROWS, DIM, mode="sum")
+        opt = hostembed.SparseAdam(emb.parameters(), lr=0.05)
+        for step in range(10):
+            out = emb(_ids(64, seed=step).view(16, 4))
+            (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(step))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        tables.append(emb.weight.detach())
+    assert torch.equal(*tables)
+
+
+@pytest.mark.parametrize("bad", ["id", "offsets"])
+def test_small_bags_raise_the_cores_errors_before_reading(bad, monkeypatch, torch_bag_calls):
+    emb = hostembed.EmbeddingBag(ROWS, DIM, mode="sum")
+    ids, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])
+    if bad == "id":
+        ids[2] = ROWS + 7
+    else:
+        offsets = torch.tensor([0, 3, 1])
+    errors, asked = [], []
+    for limit in (BAG_LIMIT, -1):
+        monkeypatch.setattr(bag_cpu, "TORCH_OP_MAX_BAG_IDS", limit)
+        with pytest.raises((IndexError, RuntimeError)) as error:
+            emb(ids, offsets)
+        errors.append((type(error.value), str(error.value)))
+        asked.append(len(torch_bag_calls))
+    assert asked[0] > 0 and asked[1] == asked[0] and errors[0] == errors[1]
+    assert (str(ROWS + 7) if bad == "id" else "offsets") in errors[0][1]
+
+
+def test_the_bag_call_size_and_the_gradient_pick_the_path(monkeypatch, torch_bag_calls):
+    monkeypatch.setattr(bag_cpu, "TORCH_OP_MAX_BAG_IDS", 40)
+    emb = hostembed.EmbeddingBag(ROWS, DIM, mode="sum")
+    for n, through_torch in ((40, True), (44, False)):
+        calls = len(torch_bag_calls)
+        emb(_ids(n).view(-1, 4)).sum().backward()
+        assert len(torch_bag_calls) == calls + through_torch, n
+    with torch.no_grad():  # the core's pooling costs less without a gradient
+        emb(_ids(8).view(-1, 4))
+    with pytest.warns(UserWarning):  # a dense gradient: the core's order of sums
+        dense = hostembed.EmbeddingBag(ROWS, DIM, mode="sum", sparse=False)
+    dense(_ids(8).view(-1, 4)).sum().backward()
+    assert len(torch_bag_calls) == 1

@@ -72,6 +72,10 @@ class Embedding(HostTableModule, nn.Embedding):
         self._init_table(num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype, cache_rows)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = _lookup_cpu.small_lookup(self, input)
+        if out is not None:
+            self._record_path("cpu")
+            return out
         compiling = torch.compiler.is_compiling()
         if not compiling:
             # Eager bookkeeping; the ops check the same facts at run time,

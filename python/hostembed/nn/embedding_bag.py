@@ -52,6 +52,10 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
         self._init_table(num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype)
 
     def forward(self, input, offsets=None, per_sample_weights=None):
+        out = _bag_cpu.small_bags(self, input, offsets, per_sample_weights)
+        if out is not None:
+            self._record_path("cpu")
+            return out
         pools_on_cpu = self._pools_on_cpu()
         ids, offsets, per_sample_weights, include_last_offset = self._bags(input, offsets, per_sample_weights,
                                                                            pools_on_cpu)

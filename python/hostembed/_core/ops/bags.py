@@ -8,7 +8,7 @@ from torch import Tensor
 from .. import _C
 from ..ids import ID_DTYPES
 from ..table import DTYPE_CODES, compute_dtype, host_table_of
-from .common import address, cpu_ids_args, holding, scratch
+from .common import address, cpu_ids_args, functorch_active, holding, scratch
 
 
 class BagBatch:
@@ -63,6 +63,43 @@ def pool(batches: list) -> list:
     with holding({id(b.table): b.table for b in batches}.values()):
         _C.pool_bags(batches=[b.args + (address(out),) for b, out in zip(batches, outs)])
     return outs
+
+
+def torch_op_pool(batch: BagBatch, weight: Tensor, per_sample_weights, sparse: bool):
+    """torch_op_bags of a BagBatch (its ids after the last offset dropped).
+    per_sample_weights: as the caller has it (autograd's tensor), the
+    batch's own being a detached copy."""
+    count = batch.ids.numel()
+    if per_sample_weights is not None and per_sample_weights.numel() != count:
+        per_sample_weights = per_sample_weights[:count]
+    return torch_op_bags(batch.table, weight, batch.ids, batch.offsets, per_sample_weights, batch.mean,
+                         batch.include_last_offset, batch.padding_idx, sparse)
+
+
+def torch_op_bags(table, weight: Tensor, ids: Tensor, offsets, per_sample_weights, mean: bool,
+                  include_last_offset: bool, padding_idx: int, sparse: bool):
+    """The bags pooled by torch's embedding_bag on the table's weight (a
+    CPU tensor over its rows, checked by the caller to be exactly them),
+    with torch's C++ autograd node, or None where pool() must run: the
+    table not float32 (the core sums a half table's gradient in float32),
+    fused (its backward queues the update), distributed, or a functorch
+    transform active. The same bits as pool(), whose checks run first (the
+    core's ValueError and IndexError, before any row is read). ids:
+    contiguous CPU int64/int32, 1-D with int64 offsets (contiguous; the ids
+    past the last offset, with include_last_offset, dropped), or 2-D (bags
+    of a fixed size) with offsets None."""
+    if table.dtype != torch.float32 or table.fused or table.sharded or functorch_active():
+        return None
+    _C.check_bags(ids=ids.data_ptr(), count=ids.numel(), ids_int64=ids.dtype == torch.int64,
+                  offsets=0 if offsets is None else offsets.data_ptr(),
+                  num_offsets=0 if offsets is None else offsets.numel(), num_rows=table.num_rows)
+    with table.lock:  # no update of the rows from another thread meanwhile
+        if table.last_gpu_use is not None:
+            table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
+        return torch.nn.functional.embedding_bag(
+            ids, weight, offsets, mode="mean" if mean else "sum", sparse=sparse,
+            per_sample_weights=per_sample_weights, include_last_offset=include_last_offset,
+            padding_idx=None if padding_idx < 0 else padding_idx)
 
 
 def positions(batch: BagBatch):

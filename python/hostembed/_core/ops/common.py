@@ -106,7 +106,7 @@ def ids_args(ids: Tensor) -> dict:
 
 
 def cpu_ids_args(ids: Tensor) -> dict:
-    if ids.device.type != "cpu":
+    if not ids.is_cpu:  # (not .device, which builds an object: 0.4 us a call)
         raise ValueError(f"hostembed: the CPU core takes ids on the CPU, got {ids.device}")
     return ids_args(ids)
 

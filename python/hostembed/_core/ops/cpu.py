@@ -1,6 +1,8 @@
 """The CPU ops of a lookup: out = weight[ids] gathered by the core's
-threads, and its backward, which sums the output gradient's rows per unique
-id; the dedup (unique ids, inverse) EmbeddingBag reads rows by."""
+threads (or, for a small call, torch's embedding op on the table's weight),
+and its backward: a float table's row-sparse gradient a row a position, as
+torch's, otherwise the output gradient's rows summed per unique id; the
+dedup (unique ids, inverse) EmbeddingBag reads rows by."""
 from typing import Optional
 
 import torch
@@ -154,6 +156,33 @@ def _(ids, grad, num_rows, padding_idx, scale_grad_by_freq):
             torch.empty(unique, grad.shape[-1], dtype=compute_dtype(grad.dtype), device="cpu"))
 
 
+# The tables whose row-sparse gradient backward leaves a row a position,
+# as torch's embedding backward does: the optimizers sum repeated rows in
+# their own sort (hostembed's in the update's pass, with no sums written
+# out), so a sort here would be paid twice. A half table's gradient is
+# summed here, in float32, and rounded once; a distributed table's is
+# summed before it is exchanged.
+POSITION_GRAD_DTYPES = (torch.float32, torch.float64)
+
+
+def leaves_positions(table, scale_grad_by_freq):
+    """Whether a lookup's row-sparse gradient of `table` keeps a row a
+    position (position_rows) rather than a sum a distinct id."""
+    return not scale_grad_by_freq and not table.sharded and table.dtype in POSITION_GRAD_DTYPES
+
+
+def position_rows(ids, grad_out, dim, padding_idx):
+    """(indices int64 [n], values [n, dim]): each position's id and
+    gradient row, padding_idx's positions left out, as torch's sparse
+    embedding backward gives them."""
+    indices = ids.reshape(-1).to(torch.int64)
+    values = grad_out.reshape(-1, dim).contiguous()
+    if padding_idx >= 0:
+        keep = indices != padding_idx
+        indices, values = indices[keep], values[keep]
+    return indices, values
+
+
 def lookup_setup(ctx, inputs, output):
     weight, ids, padding_idx, _, _, scale_grad_by_freq, sparse = inputs
     ctx.save_for_backward(ids)
@@ -175,6 +204,10 @@ def lookup_backward(ctx, grad_out):
             return (None,) * 7  # applied when the backward pass ends; no weight.grad
         if torch.compiler.is_compiling():
             indices, values = grad_reduce.op(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq)
+        elif sparse and table is not None and leaves_positions(table, scale_grad_by_freq):
+            indices, values = position_rows(ids, grad_out, dim, padding_idx)
+            return torch.sparse_coo_tensor(indices.unsqueeze(0), values, (num_rows, dim), check_invariants=False), \
+                None, None, None, None, None, None
         else:  # with max_norm, reusing the forward's sort
             indices, values = reduce_rows(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq, dedup,
                                            rounded=True)
@@ -213,16 +246,24 @@ _lookup_eager = applier(_LookupEager)
 TORCH_OP_MAX_IDS = 8192
 
 
-def torch_op_lookup(weight, ids, padding_idx, sparse):
+def torch_op_lookup(weight, ids, padding_idx, sparse, table=None):
     """weight[ids] by torch's embedding op, or None where the core's lookup
     must run: the table not float32 (the core sums a half table's gradient
     in float32), a prefetch waiting for this call, a distributed table, a
     functorch transform (the core's Function refuses it in torch's words,
-    whatever the call's size)."""
-    table = host_table_of(weight, "a lookup")
+    whatever the call's size). table: weight's HostTable, when the caller
+    has just checked that weight is exactly its rows; ids contiguous."""
+    if table is None:
+        table = host_table_of(weight, "a lookup")
     if table.dtype != torch.float32 or table.prefetch is not None or table.sharded or functorch_active():
         return None
-    _C.check_ids(**cpu_ids_args(ids), num_rows=table.num_rows)  # hostembed's IndexError, before any read
+    if not ids.is_cpu:
+        cpu_ids_args(ids)  # its error
+    # hostembed's IndexError, before any read (the ids contiguous int64 or
+    # int32, as the callers made them; not cpu_ids_args, whose checks they
+    # did and whose dict costs a tenth of a small call).
+    _C.check_ids(ids=ids.data_ptr(), count=ids.numel(), ids_int64=ids.dtype == torch.int64,
+                 num_rows=table.num_rows)
     with table.lock:  # no update of the rows from another thread meanwhile
         if table.last_gpu_use is not None:
             table.wait_for_gpu_use()  # a GPU lookup's renorm may still be writing rows
@@ -231,8 +272,8 @@ def torch_op_lookup(weight, ids, padding_idx, sparse):
 
 def embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
     """weight[ids] on the CPU, differentiable (see lookup); a small call
-    through torch's own op (TORCH_OP_MAX_IDS), with the same output and,
-    once coalesced, the same gradient."""
+    through torch's own op (TORCH_OP_MAX_IDS), with the same output and
+    gradient."""
     args = (weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
     if torch.compiler.is_compiling():
         return lookup.op(*args)

@@ -11,7 +11,7 @@ from .. import _C
 from .. import fused as _fused
 from ..table import DTYPE_CODES, dtype_name, host_table_of
 from .common import address, cpu_ids_args, custom_op, holding
-from .cpu import gradient_rows, reduce_rows
+from .cpu import gradient_rows, leaves_positions, position_rows, reduce_rows
 
 
 # Optimizer kinds of the core (include/he_optim.h).
@@ -232,6 +232,10 @@ def reduce_to_host(table, gradient):
     RowGradient) reduced as its unfused backward would: (indices, values)
     on the CPU."""
     if isinstance(gradient, _fused.CpuGradient):
+        if gradient.bags is None and leaves_positions(table, gradient.scale_grad_by_freq):
+            # As its unfused backward leaves it (the update sums the rows of
+            # every lookup in one order, as the unfused step does).
+            return position_rows(gradient.ids, gradient.grad, table.dim, gradient.padding_idx)
         indices, values = reduce_rows(gradient.ids, gradient.grad, table.num_rows, gradient.padding_idx,
                                        gradient.scale_grad_by_freq, gradient.dedup, gradient.bags, rounded=True)
         # Rounded to the table's dtype, as each lookup's weight.grad is.

@@ -2,16 +2,23 @@
 for one table (PooledLookup) or many in one call (PooledTables, the
 forward of hostembed.EmbeddingBagCollection).
 
-Forward: the core pools each bag's rows straight from the table into the
-output (_core/ops/bags.py: range check, then threads over all bags, no
-sort); with max_norm the core sorts the ids first, renorms each distinct
-row once, and torch's embedding_bag pools the rows it read. Backward: each
-position's gradient is its bag's output gradient times its share
-(per_sample_weights, or 1 / the bag's size for a mean, 0 for padding); the
-core sums those per id with one sort of the ids (the forward's, with
-max_norm), reading each bag's gradient row where the position points
-(he_reduce_opts.bag_of), so no per-position copy is made: one reduce
-straight into the table's row-sparse gradient, or into the fused update.
+A call with a gradient of at most TORCH_OP_MAX_BAG_IDS ids on a float32
+table goes through torch's own embedding_bag on the table's weight, after
+the core's checks (small_bags for the plain forms, pooled_lookup for the
+rest): torch's C++ autograd node, the same bits.
+
+Otherwise forward: the core pools each bag's rows straight from the table
+into the output (_core/ops/bags.py: range check, then threads over all
+bags, no sort); with max_norm the core sorts the ids first, renorms each
+distinct row once, and torch's embedding_bag pools the rows it read.
+Backward: each position's gradient is its bag's output gradient times its
+share (per_sample_weights, or 1 / the bag's size for a mean, 0 for
+padding). A float table's row-sparse gradient keeps a row a position, as
+torch's does, for the optimizer to sum; otherwise (a half table, a
+frequency scale, a dense gradient, a fused update) the core sums them per
+id with one sort of the ids (the forward's, with max_norm), reading each
+bag's gradient row where the position points (he_reduce_opts.bag_of), so
+no per-position copy is made.
 
 "max" mode and GPU outputs go through the general path in
 embedding_bag.py (the Embedding lookup of the unique ids, then
@@ -23,6 +30,7 @@ import torch.nn.functional as F
 
 from ..._core import fused as _fused
 from ..._core.ops import bags as bag_ops, common as common_ops, cpu as cpu_ops
+from ..._core.ids import ID_DTYPES
 from . import bag_input
 
 
@@ -48,14 +56,86 @@ class PooledLookup(torch.autograd.Function):
 _pooled_lookup = common_ops.applier(PooledLookup)
 
 
+# A bag lookup with a gradient of at most this many ids runs through
+# torch's own embedding_bag on the table's weight: no Python autograd
+# Function, and torch's pooling kernel (FBGEMM's) is as fast as the
+# core's or faster; both leave the optimizer a row a position. Above it
+# the core's threads pay. Without a gradient the core's pooling costs
+# less at small calls (23 us against 33 at 512 ids) and about the same
+# above. Measured with benchmarks/per_call.py's table (2M x 64, bags of 4,
+# 2 threads, 2026-11-27): forward + backward through torch's op / the
+# core: 153 / 228 us at 2,048 ids, 320 / 580 at 8,192, 657 / 863 at
+# 32,768, 2,276 / 2,397 at 65,536, 17,280 / 16,009 at 131,072.
+TORCH_OP_MAX_BAG_IDS = 65536
+
+
 def pooled_lookup(weight, ids, offsets, per_sample_weights, options):
     """The pooled bags of one table (PooledLookup's arguments), with
-    autograd where a gradient can flow (the Function's own cost is a
-    fifth of a small lookup's)."""
-    if torch.jit.is_tracing() or torch.is_grad_enabled() and (weight.requires_grad or (
-            per_sample_weights is not None and per_sample_weights.requires_grad)):
+    autograd where a gradient can flow, through torch's own embedding_bag
+    up to TORCH_OP_MAX_BAG_IDS ids (bag_ops.torch_op_pool: the same bits)."""
+    tracing = torch.jit.is_tracing()
+    grad = torch.is_grad_enabled() and (weight.requires_grad or (
+        per_sample_weights is not None and per_sample_weights.requires_grad))
+    mode, include_last_offset, padding_idx, max_norm, _, scale_grad_by_freq, sparse = options
+    # torch's sparse backward has no (correct: pytorch/pytorch#190063)
+    # scale_grad_by_freq, and its dense one sums in another order.
+    if grad and ids.numel() <= TORCH_OP_MAX_BAG_IDS and max_norm is None and not tracing \
+            and not scale_grad_by_freq and sparse:
+        batch = bag_ops.BagBatch(weight, ids, offsets, include_last_offset, per_sample_weights, padding_idx,
+                                 mode == "mean")
+        try:
+            out = bag_ops.torch_op_pool(batch, weight, per_sample_weights, sparse)
+        except ValueError:  # torch's error for offsets the core refuses
+            bag_input.check_offsets([batch])
+            raise
+        if out is not None:
+            return out
+    if tracing or grad:
         return _pooled_lookup(weight, ids, offsets, per_sample_weights, options)
     return pooled(weight, ids, offsets, per_sample_weights, options)[0]
+
+
+def small_bags(module, input, offsets, per_sample_weights):
+    """module(input, offsets, per_sample_weights) through torch's own
+    embedding_bag (bag_ops.torch_op_bags) when the call is a small plain
+    one with a gradient (TORCH_OP_MAX_BAG_IDS ids at most; a 1-D input
+    with int64 offsets, or a 2-D one; sum or mean; CPU outputs; no row
+    cache, max_norm, include_last_offset or scale_grad_by_freq; a sparse
+    gradient), else None for the module's full path, which decides and
+    checks everything else. The module's checks and the lookup's in one
+    pass: their layers cost more than torch's op on a bag of one id a
+    sample, as DLRM's script calls 26 tables."""
+    table = module._table
+    if not isinstance(input, torch.Tensor) or not input.is_cpu or input.dtype not in ID_DTYPES \
+            or input.numel() > TORCH_OP_MAX_BAG_IDS or module.max_norm is not None \
+            or module.mode not in ("sum", "mean") \
+            or module.include_last_offset or module.scale_grad_by_freq or table.cache is not None \
+            or table.dtype != torch.float32 or table.fused \
+            or module._output_device.type != "cpu" or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
+            or torch.jit.is_tracing():
+        return None
+    weight = module._parameters["weight"]
+    if not weight.requires_grad or not module._sparse_gradient():
+        return None
+    if input.dim() == 1:
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or not offsets.is_cpu \
+                or offsets.dtype != torch.int64 or not offsets.is_contiguous():
+            return None
+    elif input.dim() != 2 or offsets is not None or input.is_nested or input.shape[1] == 0:
+        return None  # (bags of no id: torch's embedding_bag refuses them, the full path takes them)
+    if per_sample_weights is not None and (module.mode != "sum" or per_sample_weights.shape != input.shape
+                                           or per_sample_weights.dtype != torch.float32
+                                           or not per_sample_weights.is_cpu):
+        return None
+    table.check_process()
+    if not table.views(weight):  # replaced: the full path adopts it
+        return None
+    try:
+        return bag_ops.torch_op_bags(table, weight, input if input.is_contiguous() else input.contiguous(), offsets,
+                                     per_sample_weights, module.mode == "mean", False,
+                                     -1 if module.padding_idx is None else module.padding_idx, True)
+    except ValueError:  # offsets the core refuses: the full path raises torch's error
+        return None
 
 
 def pooled(weight, ids, offsets, per_sample_weights, options):
@@ -142,18 +222,30 @@ def bag_gradient(batch, grad_out, needs_weight, needs_weights, scale_grad_by_fre
     fused = needs_weight and table.fused and _fused.take_gradient(
         table, _fused.CpuGradient(ids, grad_out, padding_idx, scale_grad_by_freq, dedup, batch))
     weights_grad = None
+    # A float table's gradient keeps a row a position (each its bag's
+    # gradient times its share), as torch's sparse embedding_bag backward
+    # makes it; the optimizer sums them (see cpu_ops.leaves_positions).
+    positions = not fused and needs_weight and sparse and cpu_ops.leaves_positions(table, scale_grad_by_freq)
+    if needs_weights or positions:
+        bag_of, shares = bag_ops.positions(batch)
+        bag_grads = grad_out.index_select(0, bag_of)  # each position's bag's gradient
     if needs_weights:
-        bag_of, _ = bag_ops.positions(batch)
         # d out[b] / d w[p] = <grad_out[b], row of ids[p]>: 0 outside
         # every bag and at padding, as torch gives.
         looked_up = table.tensor.index_select(0, ids) if rows is None else rows.index_select(0, inverse)
-        weights_grad = (grad_out.index_select(0, bag_of) * looked_up).sum(1)
+        weights_grad = (bag_grads * looked_up).sum(1)
         if padding_idx >= 0:
             weights_grad.masked_fill_(ids == padding_idx, 0)
         if batch.num_bags == 0:  # every position is in no bag
             weights_grad.zero_()
     grad = None
-    if needs_weight and not fused:
+    if positions:
+        if shares is not None:
+            bag_grads.mul_(shares.unsqueeze(1))
+        indices, values = cpu_ops.position_rows(ids, bag_grads, table.dim, padding_idx)
+        grad = torch.sparse_coo_tensor(indices.unsqueeze(0), values, (table.num_rows, table.dim),
+                                       check_invariants=False)
+    elif needs_weight and not fused:
         indices, values = cpu_ops.reduce_rows(ids, grad_out, table.num_rows, padding_idx, scale_grad_by_freq, dedup,
                                               batch, rounded=True)
         grad = common_ops.weight_grad(indices, values, table.num_rows, table.dim, sparse, table.dtype)
