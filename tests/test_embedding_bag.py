@@ -2,7 +2,9 @@
 gradients (table and per_sample_weights) bounded against float64, every
 mode x input form x per_sample_weights x padding_idx x id dtype; bad input
 refused with the table unchanged; training with every optimizer; the
-module protocol (from_pretrained, state_dict, copies, replace_embeddings)."""
+module protocol (from_pretrained, state_dict, copies, replace_embeddings).
+Every test runs twice: small calls through torch's embedding_bag on the
+table (as they go), and every call through the core's pooling."""
 import copy
 import pickle
 
@@ -14,6 +16,14 @@ import hostembed
 from conftest import zipf_ids
 
 NUM_ROWS, DIM = 60, 7
+
+
+@pytest.fixture(autouse=True, params=["torch_op", "core"])
+def bag_path(request, monkeypatch):
+    if request.param == "core":
+        from hostembed.nn.lookup import bag_cpu
+        monkeypatch.setattr(bag_cpu, "TORCH_OP_MAX_BAG_IDS", -1)
+    return request.param
 MODES = ["sum", "mean", "max"]
 FORMS = ["2d", "offsets", "include_last_offset"]
 

@@ -272,9 +272,12 @@ def test_the_bag_call_size_and_the_gradient_pick_the_path(monkeypatch, torch_bag
         calls = len(torch_bag_calls)
         emb(_ids(n).view(-1, 4)).sum().backward()
         assert len(torch_bag_calls) == calls + through_torch, n
-    with torch.no_grad():  # the core's pooling costs less without a gradient
-        emb(_ids(8).view(-1, 4))
+    with torch.no_grad():
+        out = emb(_ids(8).view(-1, 4))
+    assert len(torch_bag_calls) == 2 and torch.equal(out, emb.weight.detach()[_ids(8).view(-1, 4)].sum(1))
     with pytest.warns(UserWarning):  # a dense gradient: the core's order of sums
         dense = hostembed.EmbeddingBag(ROWS, DIM, mode="sum", sparse=False)
     dense(_ids(8).view(-1, 4)).sum().backward()
-    assert len(torch_bag_calls) == 1
+    with torch.no_grad():  # no gradient: torch's op again
+        dense(_ids(8).view(-1, 4))
+    assert len(torch_bag_calls) == 3

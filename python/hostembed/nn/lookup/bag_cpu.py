@@ -2,8 +2,8 @@
 for one table (PooledLookup) or many in one call (PooledTables, the
 forward of hostembed.EmbeddingBagCollection).
 
-A call with a gradient of at most TORCH_OP_MAX_BAG_IDS ids on a float32
-table goes through torch's own embedding_bag on the table's weight, after
+A call of at most TORCH_OP_MAX_BAG_IDS ids on a float32 table goes
+through torch's own embedding_bag on the table's weight, after
 the core's checks (small_bags for the plain forms, pooled_lookup for the
 rest): torch's C++ autograd node, the same bits.
 
@@ -56,16 +56,15 @@ class PooledLookup(torch.autograd.Function):
 _pooled_lookup = common_ops.applier(PooledLookup)
 
 
-# A bag lookup with a gradient of at most this many ids runs through
-# torch's own embedding_bag on the table's weight: no Python autograd
-# Function, and torch's pooling kernel (FBGEMM's) is as fast as the
-# core's or faster; both leave the optimizer a row a position. Above it
-# the core's threads pay. Without a gradient the core's pooling costs
-# less at small calls (23 us against 33 at 512 ids) and about the same
-# above. Measured with benchmarks/per_call.py's table (2M x 64, bags of 4,
-# 2 threads, 2026-11-27): forward + backward through torch's op / the
-# core: 153 / 228 us at 2,048 ids, 320 / 580 at 8,192, 657 / 863 at
-# 32,768, 2,276 / 2,397 at 65,536, 17,280 / 16,009 at 131,072.
+# A bag lookup of at most this many ids runs through torch's own
+# embedding_bag on the table's weight: no Python autograd Function, and
+# torch's pooling kernel (FBGEMM's) is as fast as the core's or faster
+# there; both leave the optimizer a row a position. Above it the core's
+# threads pay. Measured with benchmarks/per_call.py's table (2M x 64, bags
+# of 4, 2 threads, 2026-11-27), torch's op / the core: forward + backward
+# 153 / 228 us at 2,048 ids, 320 / 580 at 8,192, 657 / 863 at 32,768,
+# 2,276 / 2,397 at 65,536, 17,280 / 16,009 at 131,072; forward alone 25 /
+# 45 at 2,048, 65 / 86 at 8,192, 594 / 823 at 65,536.
 TORCH_OP_MAX_BAG_IDS = 65536
 
 
@@ -77,10 +76,11 @@ def pooled_lookup(weight, ids, offsets, per_sample_weights, options):
     grad = torch.is_grad_enabled() and (weight.requires_grad or (
         per_sample_weights is not None and per_sample_weights.requires_grad))
     mode, include_last_offset, padding_idx, max_norm, _, scale_grad_by_freq, sparse = options
-    # torch's sparse backward has no (correct: pytorch/pytorch#190063)
-    # scale_grad_by_freq, and its dense one sums in another order.
-    if grad and ids.numel() <= TORCH_OP_MAX_BAG_IDS and max_norm is None and not tracing \
-            and not scale_grad_by_freq and sparse:
+    # With a gradient: torch's sparse backward has no (correct:
+    # pytorch/pytorch#190063) scale_grad_by_freq, and its dense one sums in
+    # another order.
+    if ids.numel() <= TORCH_OP_MAX_BAG_IDS and max_norm is None and not tracing \
+            and not (grad and (scale_grad_by_freq or not sparse)):
         batch = bag_ops.BagBatch(weight, ids, offsets, include_last_offset, per_sample_weights, padding_idx,
                                  mode == "mean")
         try:
@@ -98,10 +98,10 @@ def pooled_lookup(weight, ids, offsets, per_sample_weights, options):
 def small_bags(module, input, offsets, per_sample_weights):
     """module(input, offsets, per_sample_weights) through torch's own
     embedding_bag (bag_ops.torch_op_bags) when the call is a small plain
-    one with a gradient (TORCH_OP_MAX_BAG_IDS ids at most; a 1-D input
-    with int64 offsets, or a 2-D one; sum or mean; CPU outputs; no row
-    cache, max_norm, include_last_offset or scale_grad_by_freq; a sparse
-    gradient), else None for the module's full path, which decides and
+    one (TORCH_OP_MAX_BAG_IDS ids at most; a 1-D input with int64
+    offsets, or a 2-D one; sum or mean; a float32 table; CPU outputs; no
+    row cache, fused update, max_norm, include_last_offset or
+    scale_grad_by_freq; a gradient, if any, sparse), else None for the module's full path, which decides and
     checks everything else. The module's checks and the lookup's in one
     pass: their layers cost more than torch's op on a bag of one id a
     sample, as DLRM's script calls 26 tables."""
@@ -111,11 +111,11 @@ def small_bags(module, input, offsets, per_sample_weights):
             or module.mode not in ("sum", "mean") \
             or module.include_last_offset or module.scale_grad_by_freq or table.cache is not None \
             or table.dtype != torch.float32 or table.fused \
-            or module._output_device.type != "cpu" or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
-            or torch.jit.is_tracing():
+            or module._output_device.type != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return None
     weight = module._parameters["weight"]
-    if not weight.requires_grad or not module._sparse_gradient():
+    sparse = module._sparse_gradient()
+    if not sparse and weight.requires_grad and torch.is_grad_enabled():
         return None
     if input.dim() == 1:
         if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or not offsets.is_cpu \
@@ -133,7 +133,7 @@ def small_bags(module, input, offsets, per_sample_weights):
     try:
         return bag_ops.torch_op_bags(table, weight, input if input.is_contiguous() else input.contiguous(), offsets,
                                      per_sample_weights, module.mode == "mean", False,
-                                     -1 if module.padding_idx is None else module.padding_idx, True)
+                                     -1 if module.padding_idx is None else module.padding_idx, sparse)
     except ValueError:  # offsets the core refuses: the full path raises torch's error
         return None
 
