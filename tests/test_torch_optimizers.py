@@ -43,8 +43,8 @@ SETUPS = {
     "Adagrad weight_decay": (lambda p: O.Adagrad(p, lr=0.1, weight_decay=1e-2), "dense"),
     "Adagrad fused": (lambda p: O.Adagrad(p, lr=0.1, fused=True), "dense"),
     "SGD": (lambda p: O.SGD(p, lr=0.1), "sparse"),
-    "Adagrad": (lambda p: O.Adagrad(p, lr=0.1), "sparse"),
-    "SparseAdam": (lambda p: O.SparseAdam(p, lr=1e-2), "sparse"),
+    "Adagrad": (lambda p: O.Adagrad(p, lr=0.1), "host"),
+    "SparseAdam": (lambda p: O.SparseAdam(p, lr=1e-2), "host"),
     "LBFGS": (lambda p: O.LBFGS(p, lr=0.1, max_iter=3), "sparse"),
 }
 
@@ -92,7 +92,7 @@ def train(model, opt, data, closure_style=False):
 @pytest.mark.parametrize("name", list(SETUPS))
 def test_every_torch_optimizer_trains_a_swapped_table_to_torchs_results(name):
     make, way = SETUPS[name]
-    ref, ours = twins(sparse_torch=(way == "sparse" and name == "SparseAdam"))
+    ref, ours = twins(sparse_torch=name == "SparseAdam")
     if name == "SparseAdam":  # sparse only: the table alone
         opt_ref, opt_ours = make(ref.emb.parameters()), make(ours.emb.parameters())
     else:
@@ -413,3 +413,32 @@ def test_the_dlrm_benchmark_checks_and_reports_every_contender(tmp_path, monkeyp
     assert all(r[k] > 0 for r in report["results"] for k in ("torch", "hostembed", "collection", "fused"))
     assert all((r["swap"] is None) == (r["optimizer"] == "RowWiseAdagrad") for r in report["results"])
     assert max(report["max_abs_diff_vs_torch"].values()) <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["SparseAdam", "Adagrad"])
+def test_torchs_sparse_optimizers_step_a_host_table_by_the_core(name):
+    # The table's rows: hostembed's own optimizer's bits (the core's update,
+    # repeated rows summed in position order), with torch's state layout;
+    # the dense head: torch's step.
+    make = {"SparseAdam": (O.SparseAdam, hostembed.SparseAdam), "Adagrad": (O.Adagrad, hostembed.Adagrad)}[name]
+    _, ours = twins()
+    _, mine = twins()
+    if name == "SparseAdam":
+        opts = [make[0](ours.emb.parameters(), lr=1e-2), make[1](mine.emb.parameters(), lr=1e-2)]
+    else:
+        opts = [make[0](ours.parameters(), lr=0.1, lr_decay=0.01), make[1](mine.parameters(), lr=0.1, lr_decay=0.01)]
+    data = batches(12)
+    for model, opt in zip((ours, mine), opts):
+        train(model, opt, data)
+    assert torch.equal(ours.emb.weight, mine.emb.weight)
+    state, mine_state = opts[0].state[ours.emb.weight], opts[1].state[mine.emb.weight]
+    assert sorted(state) == sorted(mine_state)
+    for key, value in mine_state.items():
+        assert torch.equal(torch.as_tensor(state[key]), torch.as_tensor(value)), key
+    table = table_of(ours.emb.weight)
+    if name == "SparseAdam":
+        assert state["step"] == 12 and isinstance(state["step"], int)  # torch's SparseAdam counts in an int
+        assert table.owns(state["exp_avg"]) and table.owns(state["exp_avg_sq"])
+    else:
+        assert torch.equal(state["step"], torch.tensor(12.0)) and table.owns(state["sum"])
+        assert torch.equal(ours.head.weight, mine.head.weight)  # torch's Adagrad on both heads
