@@ -109,7 +109,9 @@ static PyObject *heb_bag_positions(PyObject *mod, PyObject *args, PyObject *kwds
 
 /* The checks of pool_bags for bags given by offsets alone (a 1-D input:
  * the last bag ends with the ids; or none: the ids' range only), without
- * a table or an output: what a caller pooling them another way needs. */
+ * a table or an output: what a caller pooling them another way needs.
+ * True when every bag holds exactly one id (DLRM's bags of one id a
+ * sample), which that caller may look up as rows. */
 static PyObject *heb_check_bags(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
@@ -134,12 +136,15 @@ static PyObject *heb_check_bags(PyObject *mod, PyObject *args, PyObject *kwds)
     batch.end = count;
     batch.padding_idx = -1;
     he_status st;
+    int singles = num_offsets == count && count > 0;
     Py_BEGIN_ALLOW_THREADS
     st = he_check_bag_batch(&batch);
+    for (long long k = 0; st == HE_OK && singles && k < num_offsets; k++)
+        singles = batch.offsets[k] == k;
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(singles);
 }
 
 static PyMethodDef heb_bag_methods[] = {
@@ -151,7 +156,7 @@ static PyMethodDef heb_bag_methods[] = {
     {"check_bags", HEB_KW_FUNC(heb_check_bags), METH_VARARGS | METH_KEYWORDS,
      "check_bags(*, ids, count, ids_int64, offsets, num_offsets, num_rows)\n--\n\npool_bags' checks of bags "
      "given by int64 offsets, the last ending with the ids (none: the ids' range only), nothing pooled: "
-     "ValueError for bad offsets, IndexError for an id outside [0, num_rows)"},
+     "ValueError for bad offsets, IndexError for an id outside [0, num_rows); True when every bag holds one id"},
     {"bag_positions", HEB_KW_FUNC(heb_bag_positions), METH_VARARGS | METH_KEYWORDS,
      "bag_positions(*, batch, bag_of, weights)\n--\n\nWrites each position's bag (int64) and, returning True, "
      "its gradient factor in the table's compute type; False when every factor is 1 (weights not written)"},

@@ -281,3 +281,27 @@ def test_the_bag_call_size_and_the_gradient_pick_the_path(monkeypatch, torch_bag
     with torch.no_grad():  # no gradient: torch's op again
         dense(_ids(8).view(-1, 4))
     assert len(torch_bag_calls) == 3
+
+
+@pytest.mark.parametrize("form", ["offsets", "2d"])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_bags_of_one_id_are_looked_up_as_rows_with_the_cores_values(form, mode, monkeypatch):
+    # DLRM's bags of one id a sample: torch's embedding op on the rows
+    # (their values and gradient rows are the bags'), as the core pools them.
+    looked_up = []
+    real = torch.nn.functional.embedding
+    monkeypatch.setattr(torch.nn.functional, "embedding", lambda *a, **k: looked_up.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    emb = hostembed.EmbeddingBag(ROWS, DIM, mode=mode)
+    ids = _ids(24)
+    args = (ids, torch.arange(24)) if form == "offsets" else (ids.view(24, 1),)
+    results = []
+    for limit in (BAG_LIMIT, -1):
+        monkeypatch.setattr(bag_cpu, "TORCH_OP_MAX_BAG_IDS", limit)
+        out = emb(*args)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+        results.append((out.detach(), torch.autograd.grad((out * g).sum(), emb.weight)[0]))
+    assert len(looked_up) == 1
+    (out, grad), (core_out, core_grad) = results
+    assert torch.equal(out, core_out) and torch.equal(out, emb.weight.detach()[ids])
+    assert torch.equal(grad._indices(), core_grad._indices()) and torch.equal(grad._values(), core_grad._values())
