@@ -13,12 +13,11 @@ bags, no sort); with max_norm the core sorts the ids first, renorms each
 distinct row once, and torch's embedding_bag pools the rows it read.
 Backward: each position's gradient is its bag's output gradient times its
 share (per_sample_weights, or 1 / the bag's size for a mean, 0 for
-padding). A float table's row-sparse gradient keeps a row a position, as
-torch's does, for the optimizer to sum; otherwise (a half table, a
-frequency scale, a dense gradient, a fused update) the core sums them per
-id with one sort of the ids (the forward's, with max_norm), reading each
-bag's gradient row where the position points (he_reduce_opts.bag_of), so
-no per-position copy is made.
+padding); the core sums those per id with one sort of the ids (the
+forward's, with max_norm), reading each bag's gradient row where the
+position points (he_reduce_opts.bag_of), so no per-position copy is made:
+one reduce straight into the table's row-sparse gradient, or into the
+fused update.
 
 "max" mode and GPU outputs go through the general path in
 embedding_bag.py (the Embedding lookup of the unique ids, then
@@ -222,30 +221,21 @@ def bag_gradient(batch, grad_out, needs_weight, needs_weights, scale_grad_by_fre
     fused = needs_weight and table.fused and _fused.take_gradient(
         table, _fused.CpuGradient(ids, grad_out, padding_idx, scale_grad_by_freq, dedup, batch))
     weights_grad = None
-    # A float table's gradient keeps a row a position (each its bag's
-    # gradient times its share), as torch's sparse embedding_bag backward
-    # makes it; the optimizer sums them (see cpu_ops.leaves_positions).
-    positions = not fused and needs_weight and sparse and cpu_ops.leaves_positions(table, scale_grad_by_freq)
-    if needs_weights or positions:
-        bag_of, shares = bag_ops.positions(batch)
-        bag_grads = grad_out.index_select(0, bag_of)  # each position's bag's gradient
     if needs_weights:
+        bag_of, _ = bag_ops.positions(batch)
         # d out[b] / d w[p] = <grad_out[b], row of ids[p]>: 0 outside
         # every bag and at padding, as torch gives.
         looked_up = table.tensor.index_select(0, ids) if rows is None else rows.index_select(0, inverse)
-        weights_grad = (bag_grads * looked_up).sum(1)
+        weights_grad = (grad_out.index_select(0, bag_of) * looked_up).sum(1)
         if padding_idx >= 0:
             weights_grad.masked_fill_(ids == padding_idx, 0)
         if batch.num_bags == 0:  # every position is in no bag
             weights_grad.zero_()
     grad = None
-    if positions:
-        if shares is not None:
-            bag_grads.mul_(shares.unsqueeze(1))
-        indices, values = cpu_ops.position_rows(ids, bag_grads, table.dim, padding_idx)
-        grad = torch.sparse_coo_tensor(indices.unsqueeze(0), values, (table.num_rows, table.dim),
-                                       check_invariants=False)
-    elif needs_weight and not fused:
+    if needs_weight and not fused:
+        # Summed per id here, unlike an Embedding's gradient (cpu_ops.
+        # leaves_positions): a row a position would be each bag's gradient
+        # row copied out per position, which the reduce reads in place.
         indices, values = cpu_ops.reduce_rows(ids, grad_out, table.num_rows, padding_idx, scale_grad_by_freq, dedup,
                                               batch, rounded=True)
         grad = common_ops.weight_grad(indices, values, table.num_rows, table.dim, sparse, table.dtype)
