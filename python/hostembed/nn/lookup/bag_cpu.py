@@ -57,14 +57,18 @@ _pooled_lookup = common_ops.applier(PooledLookup)
 
 # A bag lookup of at most this many ids runs through torch's own
 # embedding_bag on the table's weight: no Python autograd Function, and
-# torch's pooling kernel (FBGEMM's) is as fast as the core's or faster
-# there; both leave the optimizer a row a position. Above it the core's
-# threads pay. Measured with benchmarks/per_call.py's table (2M x 64, bags
-# of 4, 2 threads, 2026-11-27), torch's op / the core: forward + backward
-# 153 / 228 us at 2,048 ids, 320 / 580 at 8,192, 657 / 863 at 32,768,
-# 2,276 / 2,397 at 65,536, 17,280 / 16,009 at 131,072; forward alone 25 /
-# 45 at 2,048, 65 / 86 at 8,192, 594 / 823 at 65,536.
-TORCH_OP_MAX_BAG_IDS = 65536
+# torch's pooling kernel (FBGEMM's) is as fast as the core's or faster.
+# Above it the core's backward pays: torch's copies each bag's gradient
+# row out once per position for the optimizer to sort and sum, the core
+# sums them per id reading each bag's row in place. Measured (2 threads,
+# 2026-11-27): per_call.py's table (2M x 64, bags of 4, uniform), forward
+# + backward through torch's op / the core: 153 / 228 us at 2,048 ids,
+# 320 / 580 at 8,192, 657 / 863 at 32,768; but a whole SparseAdam step of
+# cpu_breadth.py's bags (65,536 Zipf ids, 16 a bag, 1M x 128) took 13.7
+# and 23.5 ms through torch's op against 9.6 and 7.5 through the core;
+# dlrm_step.py's 2,048 bags of 4 (8,192 ids a table) step at the same
+# speed either way.
+TORCH_OP_MAX_BAG_IDS = 8192
 
 
 def pooled_lookup(weight, ids, offsets, per_sample_weights, options):
