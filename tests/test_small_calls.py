@@ -134,13 +134,18 @@ def test_a_bad_id_raises_hostembeds_error_before_anything_is_read(core_only, mon
         emb(torch.tensor([-1]))
 
 
+def counted(monkeypatch, owner, name):
+    """A list that grows by one at each call of owner.name (which still runs)."""
+    calls = []
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
 @pytest.fixture
 def torch_op_calls(monkeypatch):
     """How many lookups went through torch's op."""
-    calls = []
-    real = cpu_ops.torch_op_lookup
-    monkeypatch.setattr(cpu_ops, "torch_op_lookup", lambda *a: calls.append(1) or real(*a))
-    return calls
+    return counted(monkeypatch, cpu_ops, "torch_op_lookup")
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_norm=1.0), dict(scale_grad_by_freq=True), dict(sparse=False),
@@ -188,10 +193,7 @@ def test_the_many_tables_benchmark_times_both_kinds_of_module(tmp_path, monkeypa
 def torch_bag_calls(monkeypatch):
     """How many bag lookups went through torch's embedding_bag."""
     from hostembed._core.ops import bags as bag_ops
-    calls = []
-    real = bag_ops.torch_op_bags
-    monkeypatch.setattr(bag_ops, "torch_op_bags", lambda *a: calls.append(1) or real(*a))
-    return calls
+    return counted(monkeypatch, bag_ops, "torch_op_bags")
 
 
 def _bag_case(mode, weighted, padding_idx, include_last_offset, seed=0):
@@ -301,9 +303,7 @@ def test_the_bag_call_size_and_the_gradient_pick_the_path(monkeypatch, torch_bag
 def test_bags_of_one_id_are_looked_up_as_rows_with_the_cores_values(form, mode, monkeypatch):
     # DLRM's bags of one id a sample: torch's embedding op on the rows
     # (their values and gradient rows are the bags'), as the core pools them.
-    looked_up = []
-    real = torch.nn.functional.embedding
-    monkeypatch.setattr(torch.nn.functional, "embedding", lambda *a, **k: looked_up.append(1) or real(*a, **k))
+    looked_up = counted(monkeypatch, torch.nn.functional, "embedding")
     torch.manual_seed(0)
     emb = hostembed.EmbeddingBag(ROWS, DIM, mode=mode)
     ids = _ids(24)
