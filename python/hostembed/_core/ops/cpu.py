@@ -246,6 +246,17 @@ _lookup_eager = applier(_LookupEager)
 TORCH_OP_MAX_IDS = 8192
 
 
+def torch_op_serves(count: int, limit: int, max_norm, grad: bool, scale_grad_by_freq: bool, sparse: bool) -> bool:
+    """Whether a lookup of `count` ids may run through torch's own op (the
+    table and the module permitting): at most `limit` ids, no max_norm (the
+    core renorms), not traced, and with a gradient a sparse one not scaled
+    by frequency (torch's sparse backward has no correct
+    scale_grad_by_freq, pytorch/pytorch#190063, and its dense one sums in
+    another order than the core)."""
+    return count <= limit and max_norm is None and not (grad and (scale_grad_by_freq or not sparse)) \
+        and not torch.jit.is_tracing()
+
+
 def torch_op_lookup(weight, ids, padding_idx, sparse, table=None):
     """weight[ids] by torch's embedding op, or None where the core's lookup
     must run: the table not float32 (the core sums a half table's gradient
@@ -278,10 +289,7 @@ def embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_grad_b
     if torch.compiler.is_compiling():
         return lookup.op(*args)
     grad = weight.requires_grad and torch.is_grad_enabled()
-    # With a gradient: torch's sparse backward has no scale_grad_by_freq,
-    # and its dense one sums in another order than the core.
-    if ids.numel() <= TORCH_OP_MAX_IDS and max_norm is None and not (grad and (scale_grad_by_freq or not sparse)) \
-            and not torch.jit.is_tracing():
+    if torch_op_serves(ids.numel(), TORCH_OP_MAX_IDS, max_norm, grad, scale_grad_by_freq, sparse):
         out = torch_op_lookup(weight, ids, padding_idx, sparse)
         if out is not None:
             return out

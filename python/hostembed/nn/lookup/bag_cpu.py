@@ -79,11 +79,7 @@ def pooled_lookup(weight, ids, offsets, per_sample_weights, options):
     grad = torch.is_grad_enabled() and (weight.requires_grad or (
         per_sample_weights is not None and per_sample_weights.requires_grad))
     mode, include_last_offset, padding_idx, max_norm, _, scale_grad_by_freq, sparse = options
-    # With a gradient: torch's sparse backward has no (correct:
-    # pytorch/pytorch#190063) scale_grad_by_freq, and its dense one sums in
-    # another order.
-    if ids.numel() <= TORCH_OP_MAX_BAG_IDS and max_norm is None and not tracing \
-            and not (grad and (scale_grad_by_freq or not sparse)):
+    if cpu_ops.torch_op_serves(ids.numel(), TORCH_OP_MAX_BAG_IDS, max_norm, grad, scale_grad_by_freq, sparse):
         batch = bag_ops.BagBatch(weight, ids, offsets, include_last_offset, per_sample_weights, padding_idx,
                                  mode == "mean")
         try:
@@ -101,24 +97,25 @@ def pooled_lookup(weight, ids, offsets, per_sample_weights, options):
 def small_bags(module, input, offsets, per_sample_weights):
     """module(input, offsets, per_sample_weights) through torch's own
     embedding_bag (bag_ops.torch_op_bags) when the call is a small plain
-    one (TORCH_OP_MAX_BAG_IDS ids at most; a 1-D input with int64
-    offsets, or a 2-D one; sum or mean; a float32 table; CPU outputs; no
-    row cache, fused update, max_norm, include_last_offset or
-    scale_grad_by_freq; a gradient, if any, sparse), else None for the module's full path, which decides and
-    checks everything else. The module's checks and the lookup's in one
+    one (a 1-D input with int64 offsets, or a 2-D one; sum or mean; a
+    float32 table; CPU outputs; no row cache, fused update or
+    include_last_offset; cpu_ops.torch_op_serves with
+    TORCH_OP_MAX_BAG_IDS), else None for the module's full path, which
+    decides and checks everything else. The module's checks and the lookup's in one
     pass: their layers cost more than torch's op on a bag of one id a
     sample, as DLRM's script calls 26 tables."""
     table = module._table
     if not isinstance(input, torch.Tensor) or not input.is_cpu or input.dtype not in ID_DTYPES \
-            or input.numel() > TORCH_OP_MAX_BAG_IDS or module.max_norm is not None \
-            or module.mode not in ("sum", "mean") \
-            or module.include_last_offset or module.scale_grad_by_freq or table.cache is not None \
-            or table.dtype != torch.float32 or table.fused \
-            or module._output_device.type != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing():
+            or module.mode not in ("sum", "mean") or module.include_last_offset or table.cache is not None \
+            or table.dtype != torch.float32 or table.fused or module._output_device.type != "cpu" \
+            or torch.compiler.is_compiling():
         return None
     weight = module._parameters["weight"]
     sparse = module._sparse_gradient()
-    if not sparse and weight.requires_grad and torch.is_grad_enabled():
+    grad = torch.is_grad_enabled() and (weight.requires_grad or (
+        per_sample_weights is not None and per_sample_weights.requires_grad))
+    if not cpu_ops.torch_op_serves(input.numel(), TORCH_OP_MAX_BAG_IDS, module.max_norm, grad,
+                                   module.scale_grad_by_freq, sparse):
         return None
     if input.dim() == 1:
         if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or not offsets.is_cpu \

@@ -23,22 +23,20 @@ def lookup(module, ids, scale_grad_by_freq=None):
 
 def small_lookup(module, ids):
     """module(ids) through torch's own embedding op when the call is a
-    small plain one (cpu_ops.TORCH_OP_MAX_IDS ids at most; a float32
-    table; CPU outputs; no row cache, fused update, prefetch, max_norm; a
-    gradient, if any, sparse and not scaled by frequency), else None for
-    the module's full path, which decides everything else. The module's
+    small plain one (a float32 table; CPU outputs; no row cache, fused
+    update or prefetch; cpu_ops.torch_op_serves with TORCH_OP_MAX_IDS),
+    else None for the module's full path, which decides everything else. The module's
     checks and the lookup's in one pass: through the full path's layers a
     call of 128 ids cost twice torch's op."""
     table = module._table
-    if not isinstance(ids, torch.Tensor) or not ids.is_cpu or ids.dtype not in ID_DTYPES \
-            or ids.numel() > cpu_ops.TORCH_OP_MAX_IDS or module.max_norm is not None or table.cache is not None \
+    if not isinstance(ids, torch.Tensor) or not ids.is_cpu or ids.dtype not in ID_DTYPES or table.cache is not None \
             or table.fused or table.dtype != torch.float32 or table.prefetch is not None \
-            or module._output_device.type != "cpu" or torch.compiler.is_compiling() \
-            or torch.jit.is_tracing():
+            or module._output_device.type != "cpu" or torch.compiler.is_compiling():
         return None
     weight = module._parameters["weight"]
     sparse = module._sparse_gradient()
-    if weight.requires_grad and torch.is_grad_enabled() and (module.scale_grad_by_freq or not sparse):
+    if not cpu_ops.torch_op_serves(ids.numel(), cpu_ops.TORCH_OP_MAX_IDS, module.max_norm,
+                                   weight.requires_grad and torch.is_grad_enabled(), module.scale_grad_by_freq, sparse):
         return None
     table.check_process()
     if not table.views(weight):  # replaced: the full path adopts it
