@@ -14,6 +14,7 @@
 #include "renorm.h"
 #include "optimizers.h"
 #include "pool_bags.h"
+#include "quantize.h"
 #include "sparse_update.h"
 
 static he_ids heb_make_ids(const void *data, long long count, int is_int64)
@@ -237,11 +238,42 @@ static PyObject *heb_renorm(PyObject *mod, PyObject *args, PyObject *kwds)
     Py_RETURN_NONE;
 }
 
-/* An optimizer's tables: the weight and each state buffer of the tuple
- * (as many as the optimizer keeps, per element or per row), each checked
- * against its own buffer; the rule of hp->kind. -1 with an exception set. */
+/* State item i of an optimizer: a HostBuffer (the state in the table's
+ * compute type), or a compact state as a tuple (HostBuffer, he_dtype,
+ * scales: a HostBuffer for an 8-bit dtype, else None, stochastic
+ * rounding). 0, or -1 with an exception set. */
+static int heb_state_table(PyObject *item, const char *name, long long num_rows, long long dim, int compute,
+                           he_optim_params *hp, he_table *out)
+{
+    heb_buffer b = {name, NULL, 0, NULL, -1}, scales = {name, NULL, 0, NULL, -1};
+    if (!PyTuple_Check(item))
+        return heb_buffer_converter(item, &b) ? heb_buffer_table(&b, num_rows, dim, compute, out) : -1;
+    PyObject *buffer, *scale_obj;
+    int dtype, stochastic;
+    if (!PyArg_ParseTuple(item, "OiOp:optimizer state", &buffer, &dtype, &scale_obj, &stochastic) ||
+        !heb_buffer_converter(buffer, &b))
+        return -1;
+    if (scale_obj != Py_None && !heb_buffer_converter(scale_obj, &scales))
+        return -1;
+    *out = he_table_typed(b.ptr, b.nbytes, (int64_t)num_rows, (int64_t)dim, dtype);
+    out->scale = scales.ptr;
+    out->scale_nbytes = scales.nbytes;
+    out->scale_stride = he_q8_blocks((int64_t)dim);
+    hp->state_stochastic_rounding |= stochastic;
+    he_status st = he_state_table_check(out, name);
+    if (st != HE_OK) {
+        heb_raise_status(st);
+        return -1;
+    }
+    return 0;
+}
+
+/* An optimizer's tables: the weight and each state of the tuple (as many
+ * as the optimizer keeps, per element or per row; see heb_state_table),
+ * each checked against its own buffer; the rule of hp->kind. -1 with an
+ * exception set. */
 static int heb_optim_tables(const heb_buffer *weight, PyObject *state, long long num_rows, long long dim, int dtype,
-                            const he_optim_params *hp, he_table *w, he_table *s, int *num_state)
+                            he_optim_params *hp, he_table *w, he_table *s, int *num_state)
 {
     const he_optim_rule *rule = he_optim_rule_of(hp->kind);
     if (!rule) {
@@ -256,12 +288,10 @@ static int heb_optim_tables(const heb_buffer *weight, PyObject *state, long long
     }
     if (heb_buffer_table(weight, num_rows, dim, dtype, w) < 0)
         return -1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        heb_buffer b = {rule->state_names[i], NULL, 0, NULL, -1};
-        if (!heb_buffer_converter(PyTuple_GET_ITEM(state, i), &b) ||
-            heb_buffer_table(&b, num_rows, rule->per_row[i] ? 1 : dim, he_compute_dtype(dtype), &s[i]) < 0)
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (heb_state_table(PyTuple_GET_ITEM(state, i), rule->state_names[i], num_rows, rule->per_row[i] ? 1 : dim,
+                            he_compute_dtype(dtype), hp, &s[i]) < 0)
             return -1;
-    }
     *num_state = (int)n;
     return 0;
 }

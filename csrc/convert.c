@@ -83,19 +83,6 @@ static inline uint16_t f32_to_f16(float f)
     return (uint16_t)(sign | (nan & is_nan) | (inf & is_inf) | (normal & is_normal) | (subnormal & is_subnormal));
 }
 
-/* splitmix64's finaliser: a counter-based draw, no state between calls. */
-static inline uint64_t mix64(uint64_t z)
-{
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-static inline uint64_t draw(uint64_t seed, int64_t row, int64_t col)
-{
-    return mix64(seed ^ mix64((uint64_t)row * 0x9E3779B97F4A7C15ull + (uint64_t)col));
-}
-
 /* bfloat16 keeps the top 16 bits of a float32: adding 16 random low bits
  * before truncating rounds up with probability (dropped bits) / 2^16. */
 static inline uint16_t f32_to_bf16_sr(float f, uint64_t r)
@@ -228,11 +215,11 @@ void he_row_from_f32(int dtype, const float *src, void *dst, int64_t n, int stoc
     if (dtype == HE_F16) {
         uint16_t *d = dst;
         for (int64_t j = 0; j < n; j++)
-            d[j] = f32_to_f16_sr(src[j], draw(seed, row, col0 + j));
+            d[j] = f32_to_f16_sr(src[j], he_draw(seed, row, col0 + j));
     } else {
         uint16_t *d = dst;
         for (int64_t j = 0; j < n; j++)
-            d[j] = f32_to_bf16_sr(src[j], draw(seed, row, col0 + j));
+            d[j] = f32_to_bf16_sr(src[j], he_draw(seed, row, col0 + j));
     }
 }
 

@@ -20,6 +20,21 @@ void he_row_to_f32(int dtype, const void *src, float *dst, int64_t n);
 void he_row_from_f32(int dtype, const float *src, void *dst, int64_t n, int stochastic, uint64_t seed, int64_t row,
                      int64_t col0);
 
+/* The random bits stochastic rounding draws for element (row, col) under
+ * seed: splitmix64's finaliser as a counter-based hash, no state between
+ * calls (so the same bits whatever the thread count or block size). */
+static inline uint64_t he_mix64(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static inline uint64_t he_draw(uint64_t seed, int64_t row, int64_t col)
+{
+    return he_mix64(seed ^ he_mix64((uint64_t)row * 0x9E3779B97F4A7C15ull + (uint64_t)col));
+}
+
 /* dst[j] = src[j] rounded to dtype's precision to nearest even, as float. */
 void he_round_row_f32(int dtype, const float *src, float *dst, int64_t n);
 

@@ -67,11 +67,14 @@ static he_status rowwise_consts(const he_optim_params *hp, he_optim_consts *out)
 #define ROW_FNS(name) name##_row_f32, name##_row_f64
 
 static const he_optim_rule rules[HE_OPTIM_KINDS] = {
-    [HE_OPTIM_ADAM] = {"SparseAdam", 2, {"exp_avg", "exp_avg_sq"}, {0, 0}, adam_consts, ROW_FNS(adam), NULL, NULL},
-    [HE_OPTIM_SGD] = {"SGD", 0, {NULL, NULL}, {0, 0}, sgd_consts, ROW_FNS(sgd), NULL, NULL},
-    [HE_OPTIM_ADAGRAD] = {"Adagrad", 1, {"sum", NULL}, {0, 0}, adagrad_consts, ROW_FNS(adagrad), NULL, NULL},
-    [HE_OPTIM_ROWWISE_ADAGRAD] = {"RowWiseAdagrad", 1, {"row_sum", NULL}, {1, 0}, rowwise_consts, ROW_FNS(rowwise),
-                                  rowwise_prelude_f32, rowwise_prelude_f64},
+    [HE_OPTIM_ADAM] = {"SparseAdam", 2, {"exp_avg", "exp_avg_sq"}, {0, 0}, {0, 1}, adam_consts, ROW_FNS(adam), NULL,
+                       NULL},
+    [HE_OPTIM_SGD] = {"SGD", 0, {NULL, NULL}, {0, 0}, {0, 0}, sgd_consts, ROW_FNS(sgd), NULL, NULL},
+    [HE_OPTIM_ADAGRAD] = {"Adagrad", 1, {"sum", NULL}, {0, 0}, {1, 0}, adagrad_consts, ROW_FNS(adagrad), NULL, NULL},
+    [HE_OPTIM_ROWWISE_ADAGRAD] = {"RowWiseAdagrad", 1, {"row_sum", NULL}, {1, 0}, {1, 0}, rowwise_consts,
+                                  ROW_FNS(rowwise), rowwise_prelude_f32, rowwise_prelude_f64},
+    [HE_OPTIM_ROWWISE_ADAM] = {"SparseAdam", 2, {"exp_avg", "exp_avg_sq"}, {0, 1}, {0, 1}, adam_consts,
+                               ROW_FNS(rowwise_adam), rowwise_adam_prelude_f32, rowwise_adam_prelude_f64},
 };
 
 const he_optim_rule *he_optim_rule_of(int kind)

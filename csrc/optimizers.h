@@ -63,6 +63,7 @@ typedef struct he_optim_rule {
     int num_state;
     const char *state_names[HE_OPTIM_MAX_STATE];
     int per_row[HE_OPTIM_MAX_STATE]; /* 1: one value per row */
+    int nonnegative[HE_OPTIM_MAX_STATE]; /* 1: never below 0 (may be kept as HE_Q8_NONNEG) */
     he_status (*make_consts)(const he_optim_params *hp, he_optim_consts *out);
     he_optim_row_f32 row_f32;
     he_optim_row_f64 row_f64;

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "convert.h"
+#include "quantize.h"
 #include "host_memory.h"
 #include "ids.h"
 #include "optimizers.h"
@@ -21,6 +22,9 @@ typedef struct update_ctx {
     he_table s[HE_OPTIM_MAX_STATE];
     int stochastic;
     uint64_t seed; /* this step's: the same step redone draws the same */
+    int compact;   /* some per-element state is not in the compute type */
+    int state_stochastic;
+    uint64_t state_seed[HE_OPTIM_MAX_STATE];
 } update_ctx;
 
 static inline int half_table(const he_table *t)
@@ -28,34 +32,75 @@ static inline int half_table(const he_table *t)
     return t->dtype == HE_F16 || t->dtype == HE_BF16;
 }
 
+/* Columns [col, col + n) of row r, blocks of at most HE_REDUCE_BLOCK
+ * columns at a time, for a half-precision weight or compact state: each
+ * block widened into floats (the 8-bit state with its block's scale),
+ * updated, and rounded back (requantized whole: an 8-bit state's blocks
+ * start at multiples of HE_Q8_BLOCK, as every caller's column blocks do). */
+static void update_blocks(const update_ctx *u, int64_t r, int64_t col, const float *g, int64_t n, float scalar)
+{
+    _Alignas(64) float wb[HE_REDUCE_BLOCK];
+    _Alignas(64) float sb[HE_OPTIM_MAX_STATE][HE_REDUCE_BLOCK];
+    size_t elem = he_table_elem(&u->w);
+    char *w = (char *)he_table_row(&u->w, r) + (size_t)col * elem;
+    for (int64_t b = 0; b < n; b += HE_REDUCE_BLOCK) {
+        int64_t m = n - b < HE_REDUCE_BLOCK ? n - b : HE_REDUCE_BLOCK, at = col + b;
+        float *wp = wb;
+        if (u->w.dtype == HE_F32)
+            wp = (float *)w + b;
+        else
+            he_row_to_f32(u->w.dtype, w + (size_t)b * elem, wb, m);
+        float *sp[HE_OPTIM_MAX_STATE] = {NULL, NULL};
+        for (int i = 0; i < u->rule->num_state; i++) {
+            const he_table *t = &u->s[i];
+            char *row = he_table_row(t, r);
+            if (u->rule->per_row[i] || t->dtype == HE_F32) {
+                sp[i] = (float *)row + (u->rule->per_row[i] ? 0 : at);
+                continue;
+            }
+            sp[i] = sb[i];
+            if (he_dtype_quantized(t->dtype))
+                he_q8_to_f32(t->dtype, row + at, t->scale[r * t->scale_stride + at / HE_Q8_BLOCK], sb[i], m);
+            else
+                he_row_to_f32(t->dtype, row + (size_t)at * 2, sb[i], m);
+        }
+        u->rule->row_f32(&u->c, wp, sp, g + b, m, scalar);
+        if (wp == wb)
+            he_row_from_f32(u->w.dtype, wb, w + (size_t)b * elem, m, u->stochastic, u->seed, r, at);
+        for (int i = 0; i < u->rule->num_state; i++) {
+            const he_table *t = &u->s[i];
+            if (sp[i] != sb[i])
+                continue;
+            char *row = he_table_row(t, r);
+            if (he_dtype_quantized(t->dtype))
+                he_q8_from_f32(t->dtype, sb[i], row + at, &t->scale[r * t->scale_stride + at / HE_Q8_BLOCK], m,
+                               u->state_stochastic, u->state_seed[i], r, at);
+            else
+                he_row_from_f32(t->dtype, sb[i], row + (size_t)at * 2, m, u->state_stochastic, u->state_seed[i], r,
+                                at);
+        }
+    }
+}
+
 /* Columns [col, col + n) of row r, from that row's gradient g (in the
- * table's compute type), given the prelude's row scalar. A half-precision
- * row is widened into a float block, updated, and rounded back. */
+ * table's compute type), given the prelude's row scalar. */
 static void update_cols(const update_ctx *u, int64_t r, int64_t col, const void *g, int64_t n, double scalar)
 {
-    void *s[HE_OPTIM_MAX_STATE] = {NULL, NULL};
-    for (int i = 0; i < u->rule->num_state; i++)
-        s[i] = (char *)he_table_row(&u->s[i], r) + (u->rule->per_row[i] ? 0 : (size_t)col * he_table_elem(&u->s[i]));
-    char *w = (char *)he_table_row(&u->w, r) + (size_t)col * he_table_elem(&u->w);
     if (u->w.dtype == HE_F64) {
-        u->rule->row_f64(&u->c, (double *)w, (double *const *)s, g, n, scalar);
-        return;
-    }
-    if (u->w.dtype == HE_F32) {
-        u->rule->row_f32(&u->c, (float *)w, (float *const *)s, g, n, (float)scalar);
-        return;
-    }
-    _Alignas(64) float block[HE_REDUCE_BLOCK];
-    size_t elem = he_table_elem(&u->w);
-    for (int64_t b = 0; b < n; b += HE_REDUCE_BLOCK) {
-        int64_t m = n - b < HE_REDUCE_BLOCK ? n - b : HE_REDUCE_BLOCK;
-        float *sb[HE_OPTIM_MAX_STATE] = {NULL, NULL};
+        void *s[HE_OPTIM_MAX_STATE] = {NULL, NULL};
         for (int i = 0; i < u->rule->num_state; i++)
-            sb[i] = (float *)s[i] + (u->rule->per_row[i] ? 0 : b);
-        he_row_to_f32(u->w.dtype, w + (size_t)b * elem, block, m);
-        u->rule->row_f32(&u->c, block, sb, (const float *)g + b, m, (float)scalar);
-        he_row_from_f32(u->w.dtype, block, w + (size_t)b * elem, m, u->stochastic, u->seed, r, col + b);
+            s[i] = (char *)he_table_row(&u->s[i], r) + (u->rule->per_row[i] ? 0 : (size_t)col * sizeof(double));
+        u->rule->row_f64(&u->c, (double *)he_table_row(&u->w, r) + col, (double *const *)s, g, n, scalar);
+        return;
     }
+    if (u->w.dtype == HE_F32 && !u->compact) {
+        float *s[HE_OPTIM_MAX_STATE] = {NULL, NULL};
+        for (int i = 0; i < u->rule->num_state; i++)
+            s[i] = (float *)he_table_row(&u->s[i], r) + (u->rule->per_row[i] ? 0 : col);
+        u->rule->row_f32(&u->c, (float *)he_table_row(&u->w, r) + col, s, g, n, (float)scalar);
+        return;
+    }
+    update_blocks(u, r, col, g, n, (float)scalar);
 }
 
 /* Row r's update from its gradient: the rule's prelude on the whole row
@@ -81,6 +126,8 @@ static inline void prefetch_row(const update_ctx *u, int64_t r)
     for (int i = 0; i < u->rule->num_state; i++) {
         const he_table *s = &u->s[i];
         he_prefetch_row(he_table_row(s, r), (size_t)s->dim * he_table_elem(s), 1);
+        if (s->scale)
+            he_prefetch_row(s->scale + r * s->scale_stride, sizeof(float), 1);
     }
 }
 
@@ -154,6 +201,31 @@ static void fused_prefetch(const void *ctx, int64_t row)
     prefetch_row(ctx, row);
 }
 
+/* State i of a rule in dtype `state` for a weight of dtype `weight`: the
+ * compute type (float64 tables keep only that), or for the per-element
+ * state of a float32 or half table, float16, bfloat16 or 8 bits (the
+ * fourth-root form for a state that is never negative). */
+static he_status check_state_dtype(const he_optim_rule *rule, int i, int weight, int state)
+{
+    int compute = he_compute_dtype(weight);
+    if (state == compute)
+        return HE_OK;
+    const char *what = rule->state_names[i];
+    if (weight == HE_F64)
+        return he_fail(HE_ERR_VALUE, "%s's %s of a float64 table must be float64, got %s", rule->name, what,
+                       he_dtype_name(state));
+    if (rule->per_row[i])
+        return he_fail(HE_ERR_VALUE, "%s's %s (one value a row) must be %s, got %s", rule->name, what,
+                       he_dtype_name(compute), he_dtype_name(state));
+    if (state == HE_Q8_NONNEG && !rule->nonnegative[i])
+        return he_fail(HE_ERR_VALUE, "%s's %s takes negative values: it may be int8, not %s", rule->name, what,
+                       he_dtype_name(state));
+    if (state == HE_F16 || state == HE_BF16 || he_dtype_quantized(state))
+        return HE_OK;
+    return he_fail(HE_ERR_VALUE, "%s's %s of a %s table must be float32, float16, bfloat16, int8 or uint8 (fourth root), "
+                   "got %s", rule->name, what, he_dtype_name(weight), he_dtype_name(state));
+}
+
 /* Checks the tables against the rule and each other, and makes the step's
  * scalars. State tables must have memory of their own: the row update
  * reads and writes them through restrict pointers. */
@@ -169,14 +241,15 @@ static he_status prepare(const he_optim_params *hp, const he_table *weight, cons
     if (st != HE_OK)
         return st;
     int compute = he_compute_dtype(weight->dtype);
+    u->compact = 0;
     for (int i = 0; i < num_state; i++) {
         const he_table *s = &state[i];
         const char *what = rule->state_names[i];
-        if ((st = he_table_check(s, what)) != HE_OK)
+        if ((st = he_state_table_check(s, what)) != HE_OK)
             return st;
-        if (s->dtype != compute)
-            return he_fail(HE_ERR_VALUE, "%s's %s of a %s table must be %s, got %s", rule->name, what,
-                           he_dtype_name(weight->dtype), he_dtype_name(compute), he_dtype_name(s->dtype));
+        if ((st = check_state_dtype(rule, i, weight->dtype, s->dtype)) != HE_OK)
+            return st;
+        u->compact |= s->dtype != compute;
         int64_t dim = rule->per_row[i] ? 1 : weight->dim;
         if (s->num_rows != weight->num_rows || s->dim != dim)
             return he_fail(HE_ERR_VALUE,
@@ -198,6 +271,9 @@ static he_status prepare(const he_optim_params *hp, const he_table *weight, cons
     u->c.dim = (double)weight->dim;
     u->stochastic = hp->stochastic_rounding && half_table(weight);
     u->seed = hp->seed ^ ((uint64_t)hp->step * 0x9E3779B97F4A7C15ull);
+    u->state_stochastic = hp->state_stochastic_rounding;
+    for (int i = 0; i < HE_OPTIM_MAX_STATE; i++) /* each state its own draws, none the weight's */
+        u->state_seed[i] = he_mix64(u->seed + 0xD1B54A32D192ED03ull * (uint64_t)(i + 1));
     return HE_OK;
 }
 

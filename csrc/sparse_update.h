@@ -19,8 +19,12 @@
  * its buffer with he_table_check and against the weight's shape; row
  * strides may differ) with gradient rows values[0..nnz) ([nnz, dim],
  * row-major, of values_dtype). The weight may be of any he_dtype; the state
- * is in its compute type (he_dtype.h), values in that or, for a float16 or
- * bfloat16 table, in the table's own dtype (widened exactly, row by row).
+ * is in its compute type (he_dtype.h) or, per-element state of a float32 or
+ * half table, compact: float16, bfloat16 or 8 bits (quantize.h; its scales
+ * in the he_table), widened into floats around the row function and rounded
+ * back (hp->state_stochastic_rounding: stochastically). values are in the
+ * compute type or, for a float16 or bfloat16 table, in the table's own dtype
+ * (widened exactly, row by row).
  * Tables that do not fit their buffers, overlap, or do not
  * match the optimizer (HE_ERR_VALUE), and indices outside [0, num_rows)
  * (HE_ERR_INDEX), are refused before anything is written. Repeated indices

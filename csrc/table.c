@@ -3,6 +3,7 @@
 #include <inttypes.h>
 
 #include "ids.h"
+#include "quantize.h"
 
 /* Bytes from data to the end of the last row of a checked table. */
 static size_t span_bytes(const he_table *t)
@@ -34,10 +35,41 @@ int he_table_overlap(const he_table *a, const he_table *b)
              offset + (size_t)second->dim * he_table_elem(second) <= record);
 }
 
+static he_status check_rows(const he_table *t, const char *what);
+
 he_status he_table_check(const he_table *t, const char *what)
 {
     if (!he_dtype_valid(t->dtype))
         return he_fail(HE_ERR_VALUE, "%s: unknown dtype code %d", what, t->dtype);
+    return check_rows(t, what);
+}
+
+he_status he_state_table_check(const he_table *t, const char *what)
+{
+    if (!he_state_dtype_valid(t->dtype))
+        return he_fail(HE_ERR_VALUE, "%s: unknown state dtype code %d", what, t->dtype);
+    he_status st = check_rows(t, what);
+    if (st != HE_OK || !he_dtype_quantized(t->dtype))
+        return st;
+    int64_t blocks = he_q8_blocks(t->dim);
+    if (t->scale_stride < blocks)
+        return he_fail(HE_ERR_VALUE, "%s: %" PRId64 " scales a row for rows of %" PRId64 " columns, expected %" PRId64,
+                       what, t->scale_stride, t->dim, blocks);
+    if (t->num_rows == 0 || blocks == 0)
+        return HE_OK;
+    uint64_t need = ((uint64_t)(t->num_rows - 1) * (uint64_t)t->scale_stride + (uint64_t)blocks) * sizeof(float);
+    if (need > t->scale_nbytes)
+        return he_fail(HE_ERR_VALUE, "%s: the scales of a [%" PRId64 ", %" PRId64 "] %s state need %" PRIu64
+                       " bytes, but their buffer has %zu", what, t->num_rows, t->dim, he_dtype_name(t->dtype), need,
+                       t->scale_nbytes);
+    if (t->scale == NULL || (uintptr_t)t->scale % sizeof(float) != 0)
+        return he_fail(HE_ERR_VALUE, "%s: its scales must start at a 4-byte aligned address, got %p", what,
+                       (void *)t->scale);
+    return HE_OK;
+}
+
+static he_status check_rows(const he_table *t, const char *what)
+{
     he_status st = he_check_table_shape(t->num_rows, t->dim);
     if (st != HE_OK)
         return st;

@@ -20,7 +20,12 @@ typedef struct he_table {
     int64_t num_rows;
     int64_t dim;        /* elements per row */
     int64_t row_stride; /* elements from one row's start to the next's; >= dim */
-    int dtype;          /* he_dtype */
+    int dtype;          /* he_dtype (an optimizer state: any he_state_dtype) */
+    /* 8-bit state (HE_Q8, HE_Q8_NONNEG) only: row r's scale of block b
+     * (quantize.h) at scale[r * scale_stride + b]. */
+    float *scale;
+    size_t scale_nbytes;
+    int64_t scale_stride;
 } he_table;
 
 /* A row-major (row_stride = dim) table of `dtype` over nbytes bytes at data. */
@@ -42,6 +47,11 @@ static inline he_table he_table_contiguous(float *data, size_t nbytes, int64_t n
  * overflow); else HE_ERR_VALUE naming `what` (the argument: "table",
  * "exp_avg", ...), the shape and the size. */
 he_status he_table_check(const he_table *t, const char *what);
+
+/* he_table_check of an optimizer state, whose dtype may also be an 8-bit
+ * form: its scales then must fit their buffer ([num_rows, scale_stride]
+ * floats, scale_stride >= he_q8_blocks(dim)), aligned. */
+he_status he_state_table_check(const he_table *t, const char *what);
 
 /* 1 when the two (checked) tables may share an element: their spans (from
  * data to the end of the last row) overlap, unless they interleave, each

@@ -14,17 +14,35 @@ typedef enum he_dtype {
     HE_F16 = 1,
     HE_BF16 = 2,
     HE_F64 = 3,
-    HE_DTYPES = 4
+    HE_DTYPES = 4,
+    /* Optimizer state only, 8 bits an element and one float32 scale per
+     * block of HE_Q8_BLOCK columns of a row (csrc/quantize.h): */
+    HE_Q8 = 4,        /* int8 codes of sign(x) sqrt(|x|): a signed state (exp_avg) */
+    HE_Q8_NONNEG = 5, /* uint8 codes of x^(1/4): a state never below 0
+                       * (exp_avg_sq, Adagrad's sum) */
+    HE_STATE_DTYPES = 6
 } he_dtype;
 
+/* A table's dtype (its rows): float32, float16, bfloat16 or float64. */
 static inline int he_dtype_valid(int dt)
 {
     return dt >= 0 && dt < HE_DTYPES;
 }
 
+/* An optimizer state's dtype: a table dtype or an 8-bit form. */
+static inline int he_state_dtype_valid(int dt)
+{
+    return dt >= 0 && dt < HE_STATE_DTYPES;
+}
+
+static inline int he_dtype_quantized(int dt)
+{
+    return dt == HE_Q8 || dt == HE_Q8_NONNEG;
+}
+
 static inline size_t he_dtype_size(int dt)
 {
-    return dt == HE_F64 ? 8 : dt == HE_F32 ? 4 : 2;
+    return dt == HE_F64 ? 8 : dt == HE_F32 ? 4 : he_dtype_quantized(dt) ? 1 : 2;
 }
 
 static inline int he_compute_dtype(int dt)
@@ -34,8 +52,9 @@ static inline int he_compute_dtype(int dt)
 
 static inline const char *he_dtype_name(int dt)
 {
-    static const char *const names[HE_DTYPES] = {"float32", "float16", "bfloat16", "float64"};
-    return he_dtype_valid(dt) ? names[dt] : "an unknown dtype";
+    static const char *const names[HE_STATE_DTYPES] = {"float32", "float16", "bfloat16", "float64", "int8",
+                                                       "uint8 (fourth root)"};
+    return he_state_dtype_valid(dt) ? names[dt] : "an unknown dtype";
 }
 
 #endif

@@ -11,7 +11,8 @@ typedef enum he_optim_kind {
     HE_OPTIM_SGD = 1,              /* torch.optim.SGD, momentum 0 */
     HE_OPTIM_ADAGRAD = 2,          /* torch.optim.Adagrad on a sparse gradient */
     HE_OPTIM_ROWWISE_ADAGRAD = 3,  /* one accumulator per row (FBGEMM's exact row-wise Adagrad) */
-    HE_OPTIM_KINDS = 4
+    HE_OPTIM_ROWWISE_ADAM = 4,     /* SparseAdam with one second moment a row (FBGEMM's partial row-wise Adam) */
+    HE_OPTIM_KINDS = 5
 } he_optim_kind;
 
 typedef struct he_optim_params {
@@ -27,6 +28,9 @@ typedef struct he_optim_params {
      * (else to nearest even), drawing from (seed, step, row, column). */
     int stochastic_rounding;
     uint64_t seed;
+    /* float16, bfloat16 and 8-bit optimizer state: round stochastically
+     * (else to nearest), each state drawing its own bits. */
+    int state_stochastic_rounding;
 } he_optim_params;
 
 #endif

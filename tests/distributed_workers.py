@@ -17,6 +17,8 @@ OPTIMIZERS = {
     "RowWiseAdagrad": (hostembed.RowWiseAdagrad, dict(lr=0.1)),
     # Steps every row: with weight decay, a row stepped twice would show.
     "Adam": (hostembed.Adam, dict(lr=0.01, weight_decay=0.1)),
+    # Compact state: 8-bit exp_avg codes and scales, a second moment a row.
+    "SparseAdamInt8": (hostembed.SparseAdam, dict(lr=0.01, state_dtype=torch.int8, rowwise_exp_avg_sq=True)),
 }
 
 
@@ -207,7 +209,7 @@ class _Tables(torch.nn.Module):
         state = opt.state[weight]
         rows = slice(start - first, end - first)
         return {"range": (start, end), "weight": weight.detach()[rows].clone(),
-                "exp_avg": state["exp_avg"][rows].clone(), "exp_avg_sq": state["exp_avg_sq"][rows].clone(),
+                **{key: value[rows].clone() for key, value in state.items() if key != "step"},
                 "step": int(state["step"])}
 
 
@@ -223,11 +225,12 @@ def _train_steps(model, opt, steps, rank, world, slow_rank=None):
         opt.zero_grad()
 
 
-def reshard(rank, world, checkpoints, written_by, kind="sharded", per_host=1):
+def reshard(rank, world, checkpoints, written_by, kind="sharded", per_host=1, optimizer="SparseAdam"):
     """Trains 3 steps and saves a checkpoint a rank (written_by 0), or
     loads the checkpoints `written_by` ranks saved; then 2 more steps."""
     model = _Tables(kind, per_host)
-    opt = hostembed.SparseAdam(model.parameters(), lr=0.01)
+    cls, hyper = OPTIMIZERS[optimizer]
+    opt = cls(model.parameters(), **hyper)
     refused = None
     if written_by and kind != "sharded" and world != written_by:
         # Another layout's file: hostembed.load refuses it, nothing loaded

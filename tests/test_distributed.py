@@ -65,7 +65,8 @@ def reference(optimizer, fused, world):
 
 
 @pytest.mark.parametrize("world, optimizer, fused", [
-    (2, "SGD", False), (2, "SparseAdam", False), (3, "SparseAdam", True), (3, "RowWiseAdagrad", False)])
+    (2, "SGD", False), (2, "SparseAdam", False), (3, "SparseAdam", True), (3, "RowWiseAdagrad", False),
+    (2, "SparseAdamInt8", True)])
 def test_ranks_train_like_one_table_on_their_batches_together(tmp_path, world, optimizer, fused):
     results = run_ranks(world, "train", tmp_path, optimizer, fused)
     emb, opt = reference(optimizer, fused, world)
@@ -238,6 +239,27 @@ def test_checkpoints_load_into_the_same_fewer_and_more_ranks(tmp_path, kind):
     assert not torch.equal(_whole(saved, "weight"), initial_table())
 
 
+def test_compact_state_checkpoints_load_into_more_ranks(tmp_path):
+    """8-bit codes, their scales and a row-wise second moment are rows like
+    the others: two ranks' checkpoints load into three, codes and scales
+    as saved."""
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    runs = {}
+    for name, world, written_by in (("saved", 2, 0), ("three", 3, 2)):
+        (tmp_path / name).mkdir()
+        runs[name] = run_ranks(world, "reshard", tmp_path / name, str(checkpoints), written_by, "sharded", 1,
+                               "SparseAdamInt8")
+    saved, three = runs["saved"], runs["three"]
+    assert _whole(saved, "exp_avg").dtype == torch.int8 and _whole(saved, "exp_avg_sq").dim() == 1
+    assert set(saved[0]) >= {"exp_avg_scale"}
+    # Two more steps after the load, their sums in another grouping: equal
+    # to float32 rounding, a code at most a step apart.
+    torch.testing.assert_close(_whole(three, "weight"), _whole(saved, "weight"), rtol=1e-4, atol=1e-5)
+    assert (_whole(three, "exp_avg").int() - _whole(saved, "exp_avg").int()).abs().max() <= 1
+    torch.testing.assert_close(_whole(three, "exp_avg_sq"), _whole(saved, "exp_avg_sq"), rtol=1e-4, atol=1e-9)
+
+
 @pytest.mark.parametrize("kind, world, per_host", [("sharded", 2, 1), ("shared", 2, 2), ("hosts", 4, 2)])
 def test_a_single_process_checkpoint_loads_into_ranks_and_theirs_back_into_one(tmp_path, kind, world, per_host):
     """A single process's model (a plain hostembed.Embedding where the
@@ -293,7 +315,7 @@ def test_a_rank_that_dies_mid_training_fails_the_others_promptly(tmp_path):
 
 @pytest.mark.parametrize("world, optimizer, fused", [
     (2, "SGD", False), (2, "SparseAdam", False), (3, "RowWiseAdagrad", False), (2, "Adam", False),
-    (2, "SparseAdam", True), (3, "RowWiseAdagrad", True)])
+    (2, "SparseAdam", True), (3, "RowWiseAdagrad", True), (2, "SparseAdamInt8", True)])
 def test_ranks_sharing_one_copy_train_like_one_table(tmp_path, world, optimizer, fused):
     """Every optimizer, fused=True too (bit for bit as unfused: the same
     exchanged rows, summed in the same order); Adam steps each row of the

@@ -234,8 +234,10 @@ class GpuRowCache(RowCache):
         cached now, else in host memory; another optimizer moves the cache to
         host memory first. An index outside the table raises IndexError
         before anything is written."""
-        if kind != update_ops.ADAM:
-            self._to_host_cache(update_ops.optimizer_name(kind)).update(kind, state, indices, values, **hyper)
+        compact = not all(isinstance(item, Tensor) for item in state.values())
+        if kind != update_ops.ADAM or compact:
+            why = "a compact optimizer state" if compact else update_ops.optimizer_name(kind)
+            self._to_host_cache(why).update(kind, state, indices, values, **hyper)
             return
         self.last_update_from = values.device
         distinct, self._distinct = indices.device == self.device and self._known_distinct(indices), None

@@ -99,18 +99,21 @@ class RowCache:
         and written back (evictions and flushes)."""
         return {**self.planner.stats, **self.moved}
 
-    def _new_records(self, *, weight=False, per_row=False):
+    def _new_records(self, *, weight=False, like=None):
         """Records for the weight (in the table's dtype; made first), or
-        zeroed ones for a state tensor (in its compute dtype; per_row: a
-        value per row)."""
+        zeroed ones for a state tensor shaped and typed `like` its host
+        tensor (a value or a row per row: [num_rows] or [num_rows, width],
+        in its compute dtype or a compact state's)."""
         capacity, dim = self.capacity, self.table.dim
         if self.device.type == "cpu":
             if weight:
                 self.records = HostTable(capacity, dim, dtype=self.table.dtype, first_touch=False)
                 return self.records.tensor
-            return self.records.zeros(per_row=per_row)
-        return torch.zeros((capacity,) if per_row else (capacity, dim),
-                           dtype=self.table.dtype if weight else self.table.state_dtype, device=self.device)
+            per_row = like.dim() == 1
+            return self.records.zeros(per_row=per_row, dtype=like.dtype, width=None if per_row else like.shape[1])
+        if weight:
+            return torch.zeros((capacity, dim), dtype=self.table.dtype, device=self.device)
+        return torch.zeros((capacity, *like.shape[1:]), dtype=like.dtype, device=self.device)
 
     def _live_slots(self):
         return (self.row_of_slot >= 0).nonzero().view(-1)
@@ -164,7 +167,7 @@ class RowCache:
         self._sync()
         if key in self.dirty:
             self.flush((key,))
-        records = self._new_records(per_row=host_tensor.dim() == 1)
+        records = self._new_records(like=host_tensor)
         self._read_in(records, host_tensor)
         self.host[key], self.cached[key] = host_tensor, records
         self.version[key] = host_tensor._version
@@ -230,19 +233,33 @@ class RowCache:
         `state` (name: host tensor, attached here if new): in their slots
         for the rows cached now, else in host memory. An index outside the
         table raises IndexError before anything is written."""
+        if any(not isinstance(item, Tensor) and item[2] for item in state.values()):
+            # The core draws a stochastic rounding from the row's number, and
+            # a record's is its slot's: the bits would not be the uncached
+            # table's.
+            raise NotImplementedError("hostembed: a table with a row cache takes compact optimizer state rounded "
+                                      "to nearest only (state_rounding='nearest'), not stochastically")
         host_indices = indices.cpu()
         slots = self.planner.slots_of(host_indices).long()
         self._sync()
-        for key, tensor in state.items():
+        for key, tensor in _tensors_of(state).items():
             if self.host.get(key) is not tensor:
                 self.attach_state(key, tensor)
         self.last_update_from = values.device
         values = values.cpu()
         cached = (slots >= 0) & ~torch.isin(host_indices, self.pending)
-        update_ops.update_rows(kind, self.records, {k: self.cached[k] for k in state}, slots[cached], values[cached],
-                               **hyper)
+        update_ops.update_rows(kind, self.records, {k: self._records_of(k, item) for k, item in state.items()},
+                               slots[cached], values[cached], **hyper)
         update_ops.update_rows(kind, self.table, state, host_indices[~cached], values[~cached], **hyper)
-        self.dirty.update(("weight", *state))
+        self.dirty.update(("weight", *_tensors_of(state)))
+
+    def _records_of(self, key, item):
+        """The records standing for state `item` (update_ops' form: a
+        tensor, or a compact state's (tensor, scales or None, stochastic))."""
+        if isinstance(item, Tensor):
+            return self.cached[key]
+        _, scale, stochastic = item
+        return self.cached[key], None if scale is None else self.cached[_scale_key(key)], stochastic
 
     @_ordered
     def flush(self, keys=None) -> None:
@@ -256,6 +273,24 @@ class RowCache:
                 self.moved["written_back_bytes"] += slots.numel() * self.cached[key][:1].nbytes
                 self.dirty.discard(key)
         self._seen()
+
+
+def _scale_key(key):
+    return f"{key}_scale"
+
+
+def _tensors_of(state):
+    """Every host tensor of an update's state, by key: a compact state's
+    scales (its 8-bit codes' records move with them) under key_scale."""
+    tensors = {}
+    for key, item in state.items():
+        if isinstance(item, Tensor):
+            tensors[key] = item
+            continue
+        tensors[key] = item[0]
+        if item[1] is not None:
+            tensors[_scale_key(key)] = item[1]
+    return tensors
 
 
 def _cached_tables(optimizer):

@@ -21,6 +21,10 @@ from . import _C
 
 # The dtypes a table may have, and their codes in the core (include/he_dtype.h).
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+# Optimizer state may also be kept in these (he_dtype.h): half precision, or
+# 8-bit codes (int8: HE_Q8, uint8: HE_Q8_NONNEG) with float32 scales.
+COMPACT_STATE_DTYPES = (torch.float16, torch.bfloat16, torch.int8, torch.uint8)
+STATE_CODES = {**DTYPE_CODES, torch.int8: 4, torch.uint8: 5}
 
 
 def compute_dtype(dtype):
@@ -309,8 +313,8 @@ class HostTable:
         core widens their rows), else the compute dtype."""
         return self.dtype if dtype == self.dtype else self.state_dtype
 
-    def _new_buffer(self, *, first_touch=False, per_row=False, dtype=None):
-        width = 1 if per_row else self.dim
+    def _new_buffer(self, *, first_touch=False, per_row=False, dtype=None, width=None):
+        width = 1 if per_row else self.dim if width is None else width
         dtype = self.dtype if dtype is None else dtype
         buf = allocate(self.num_rows, width, dtype=dtype, first_touch=first_touch)
         if buf.nbytes:
@@ -318,13 +322,15 @@ class HostTable:
         tensor = host_tensor(buf, self.num_rows, width, dtype)
         return buf, tensor.view(self.num_rows) if per_row else tensor
 
-    def zeros(self, *, first_touch=False, per_row=False):
+    def zeros(self, *, first_touch=False, per_row=False, dtype=None, width=None):
         """A new zeroed optimizer-state buffer of this table, in its compute
-        dtype: [num_rows, dim] (per-element state), or [num_rows] with
-        per_row (one state value per row). Without first_touch, pages are
-        backed only once written: state of rows never trained costs
-        nothing."""
-        return self._new_buffer(first_touch=first_touch, per_row=per_row, dtype=self.state_dtype)[1]
+        dtype (or `dtype`: a compact state's, see optim/compact_state.py):
+        [num_rows, dim] (per-element state), [num_rows, width] (an 8-bit
+        state's scales), or [num_rows] with per_row (one state value per
+        row). Without first_touch, pages are backed only once written: state
+        of rows never trained costs nothing."""
+        dtype = self.state_dtype if dtype is None else dtype
+        return self._new_buffer(first_touch=first_touch, per_row=per_row, dtype=dtype, width=width)[1]
 
     def retype(self, dtype, copy):
         """Converts the rows to `dtype` in new host memory: copy(dst, src,
@@ -381,13 +387,15 @@ class HostTable:
         for per-row state), in the table's dtype or its compute dtype,
         row-major, from the buffer's first byte. The core checks each shape
         against its buffer's size."""
-        if not (tensor.dtype in (self.dtype, self.state_dtype) and tuple(tensor.shape) in self._state_shapes()
-                and tensor.device.type == "cpu" and tensor.is_contiguous()):
+        if not (tensor.dtype in (self.dtype, self.state_dtype) + COMPACT_STATE_DTYPES
+                and tuple(tensor.shape) in self._state_shapes() and tensor.device.type == "cpu"
+                and tensor.is_contiguous()):
             return False
         return tensor.numel() == 0 or self._buffers.get(tensor.data_ptr()) is not None
 
     def _state_shapes(self):
-        return ((self.num_rows, self.dim), (self.num_rows,))
+        # The last: an 8-bit state's scales, one a block of 256 columns.
+        return ((self.num_rows, self.dim), (self.num_rows,), (self.num_rows, (self.dim + 255) // 256))
 
     def buffer_of(self, tensor, what):
         """The HostBuffer that tensor is exactly (see owns), for the core; a

@@ -514,8 +514,9 @@ def _check_optimizer_fits(path, saved, optimizer, where):
     for _, _, pairs in layout:
         for saved_id, p in pairs:
             for key, value in saved_state.get(saved_id, {}).items():
+                # (a row-wise second moment, SparseAdam's, is one value a row)
                 if key in _validate.PER_ELEMENT and isinstance(value, torch.Tensor) and value.dim() > 0 \
-                        and value.shape != p.shape:
+                        and value.shape != p.shape and not (key == "exp_avg_sq" and value.shape == p.shape[:1]):
                     raise RuntimeError(
                         f"hostembed.load: optimizer state '{key}' of parameter {saved_id} in '{path}' has shape "
                         f"{list(value.shape)}, the parameter has {list(p.shape)}; nothing was loaded"

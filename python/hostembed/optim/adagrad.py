@@ -6,6 +6,9 @@ from .._core.ops import update as update_ops
 from .._core.table import table_of
 from ..io import validate as _validate
 from .base import HostStep, non_negative, owned_state, refuse_differentiable
+from .compact_state import CODE_DTYPES, StateForm, check_saved, scale_key
+
+_SUM_SCALE = scale_key("sum")
 
 
 class Adagrad(HostStep, torch.optim.Adagrad):
@@ -22,12 +25,20 @@ class Adagrad(HostStep, torch.optim.Adagrad):
     as rows are first written (all at once when initial_accumulator_value
     is not 0). weight_decay must be 0 for host tables (torch's Adagrad
     raises for it with any sparse gradient).
+
+    ``state_dtype`` (keyword-only; hostembed tables only) keeps ``sum`` in
+    torch.bfloat16, torch.float16, or torch.int8 (uint8 codes of its square
+    root and a float32 ``sum_scale`` per 256 columns of a row), stored
+    rounded to ``state_rounding`` ("nearest" or "stochastic"); see
+    SparseAdam. The default float32 is torch's Adagrad exactly.
     """
 
     _name = "Adagrad"
 
     def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10,
-                 foreach=None, *, maximize=False, differentiable=False, fused=None):
+                 foreach=None, *, maximize=False, differentiable=False, fused=None, state_dtype=torch.float32,
+                 state_rounding="nearest"):
+        self._form = StateForm(state_dtype, state_rounding, "Adagrad")
         # torch's __init__ would allocate each state with full_like(p): a
         # second full table in ordinary memory for a host table. Its checks,
         # then Optimizer's __init__, then the state made where it belongs.
@@ -57,10 +68,15 @@ class Adagrad(HostStep, torch.optim.Adagrad):
                                            memory_format=torch.preserve_format)
             return
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        total = table.zeros()
-        if group["initial_accumulator_value"] != 0:
-            total.fill_(group["initial_accumulator_value"])
-        state["sum"] = total
+        initial = group["initial_accumulator_value"]
+        if self._form.compact and initial != 0:
+            # A table of one value, in the form (quantized once, as a load).
+            value = torch.tensor(float(initial), dtype=torch.float32).expand(table.num_rows)
+            state.update(self._form.convert(table, "sum", True, False, value, None))
+            return
+        state.update(self._form.new(table, "sum", nonnegative=True))
+        if initial != 0:
+            state["sum"].fill_(initial)
 
     def _check_group(self, group, where):
         _validate.require_keys(group, ("lr", "lr_decay", "eps", "weight_decay", "initial_accumulator_value"), where)
@@ -77,17 +93,45 @@ class Adagrad(HostStep, torch.optim.Adagrad):
         refuse_differentiable(group, where, "Adagrad")
 
     def _check_state(self, entry, p, where):
-        super()._check_state(entry, p, where)
-        if table_of(p) is not None and set(entry) != {"step", "sum"}:
-            raise ValueError(f"{where}: expected the keys ['step', 'sum'], found {sorted(map(repr, entry))}")
+        table = table_of(p)
+        if table is None:
+            super()._check_state(entry, p, where)
+            return
+        if set(entry) - {_SUM_SCALE} != {"step", "sum"}:
+            raise ValueError(f"{where}: expected the keys ['step', 'sum'] (and 'sum_scale' for 8-bit codes), found "
+                             f"{sorted(map(repr, entry))}")
+        _validate.check_step(entry["step"], where)
+        check_saved(entry["sum"], entry.get(_SUM_SCALE), "sum", p, where, per_row_ok=False)
+
+    def load_state_dict(self, state_dict):
+        """HostStep's load; a host table's ``sum`` saved in any form (float,
+        half or 8-bit) is converted into this optimizer's form."""
+        # (torch's load alone serves a float state into float32 state)
+        saved = {p: entry for p, entry in self._saved_host_state(state_dict)
+                 if self._form.compact or entry["sum"].dtype in CODE_DTYPES}
+        super().load_state_dict(state_dict)
+        for p, entry in saved.items():
+            state = self.state[p]
+            state.pop(_SUM_SCALE, None)
+            state.update(self._form.convert(table_of(p), "sum", True, False, entry["sum"], entry.get(_SUM_SCALE)))
+
+    def _saved_host_state(self, state_dict):
+        """(parameter, saved entry) of each host table with a saved state,
+        before torch's load casts it."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved_ids = [i for group in state_dict.get("param_groups", []) for i in group.get("params", [])]
+        return [(p, state_dict["state"][i]) for p, i in zip(params, saved_ids)
+                if table_of(p) is not None and state_dict.get("state", {}).get(i)]
 
     def _host_args(self, p, table, group):
         state = self.state[p]
         if "sum" not in state:  # a group added after construction
             self._init_state(p, group)
-        total = owned_state(table, state["sum"])
         step = int(state["step"].item() if isinstance(state["step"], torch.Tensor) else state["step"]) + 1
         hyper = {"lr": float(group["lr"]), "eps": float(group["eps"]), "lr_decay": float(group["lr_decay"]),
                  "step": step, "maximize": bool(group.get("maximize", False))}
-        return update_ops.ADAGRAD, {"sum": total}, hyper, {"sum": total,
-                                                      "step": torch.tensor(float(step), dtype=torch.float32)}
+        record = {"step": torch.tensor(float(step), dtype=torch.float32)}
+        if self._form.compact:  # updated in place in its own buffers
+            return update_ops.ADAGRAD, {"sum": self._form.core_item(table, state, "sum")}, hyper, record
+        total = owned_state(table, state["sum"])
+        return update_ops.ADAGRAD, {"sum": total}, hyper, dict(record, sum=total)

@@ -13,10 +13,12 @@ from .._core.table import table_of
 from ..io import validate as _validate
 from ..io.stream import copy_rows
 from .base import check_row_sparse, owned_state, scalar_dtype
+from .compact_state import CODE_DTYPES, StateForm, check_saved, scale_key, state_bytes
 from .update_choice import UpdateChooser
 
 _STATE_TENSORS = ("exp_avg", "exp_avg_sq")
 _STATE_KEYS = ("step",) + _STATE_TENSORS
+_SCALE_KEYS = tuple(scale_key(key) for key in _STATE_TENSORS)
 
 # Where the update of a table whose gradient came from a GPU lookup runs:
 # "auto" times both on the first steps and keeps the faster (update_choice.py).
@@ -63,18 +65,42 @@ class SparseAdam(torch.optim.SparseAdam):
     accumulation over several backward() calls raises RuntimeError), and
     the tables' gradients cannot be clipped or inspected. Other parameters
     are updated by step() as usual; state_dict() is the same either way.
+
+    Compact state (keyword-only; hostembed tables only, other parameters
+    keep torch's float state): ``state_dtype`` keeps both moments in
+    torch.bfloat16 or torch.float16 (2 bytes an element), or torch.int8 (8
+    bits an element and a float32 scale per 256 columns of a row: exp_avg
+    as int8 codes of its square root, exp_avg_sq as uint8 codes of its fourth
+    root; the
+    state dict shows the codes and ``exp_avg_scale``/``exp_avg_sq_scale``).
+    ``rowwise_exp_avg_sq=True`` keeps one second moment a row, the mean of
+    the row's squared gradient (FBGEMM's partial row-wise Adam): D + 1
+    values of state a row instead of 2D. ``state_rounding`` stores updated
+    moments rounded to "nearest" (default) or "stochastic" (unbiased).
+    The default (float32, element-wise) is torch's SparseAdam exactly; the
+    compact forms are not, and the README measures what they cost in model
+    quality. A compact state updates on the CPU (a table with GPU outputs
+    copies its gradient to the host); a table with a row cache refuses
+    it. Any saved form loads into any other (optim/compact_state.py).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, *, update=DEFAULT_UPDATE,
-                 fused=False, weight_decay=0.0):
+                 fused=False, weight_decay=0.0, state_dtype=torch.float32, rowwise_exp_avg_sq=False,
+                 state_rounding="nearest"):
         if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay!r}")
         if update not in UPDATES:
             raise ValueError(f"SparseAdam: update must be one of {UPDATES}, got {update!r}")
         if not isinstance(fused, bool):
             raise TypeError(f"SparseAdam: fused must be a bool, got {type(fused).__name__}")
+        if not isinstance(rowwise_exp_avg_sq, bool):
+            raise TypeError(f"SparseAdam: rowwise_exp_avg_sq must be a bool, got {type(rowwise_exp_avg_sq).__name__}")
         # Before torch's __init__, which calls add_param_group.
         self.update, self.fused, self._weight_decay = update, fused, float(weight_decay)
+        self._form = StateForm(state_dtype, state_rounding, "SparseAdam")
+        self._rowwise = rowwise_exp_avg_sq
+        self._compact = self._form.compact or rowwise_exp_avg_sq
+        self._kind = update_ops.ROWWISE_ADAM if rowwise_exp_avg_sq else update_ops.ADAM
         super().__init__(params, lr=lr, betas=betas, eps=eps, maximize=maximize)
         self.defaults["weight_decay"] = self._weight_decay
 
@@ -100,7 +126,7 @@ class SparseAdam(torch.optim.SparseAdam):
     def _want_grad_twin(self, table):
         """Asks backward to keep the gradient on the GPU while an update
         there is possible."""
-        if table is None or self.update == "cpu":
+        if table is None or self.update == "cpu" or self._compact:  # a compact state updates on the CPU
             return
         if self.update == "gpu" or table.update_chooser is None or not table.update_chooser.settled:
             table.twin_wanted = True
@@ -184,6 +210,13 @@ class SparseAdam(torch.optim.SparseAdam):
 
         # Taken (and so released) whatever the mode: it holds GPU memory.
         twin = take_grad_twin(table, grad)
+        if self._compact:
+            state, step = self._compact_state(p, table)
+            update_ops.sparse_update(self._kind, p, self._core_state(table, state), indices, values,
+                                     **self._hyper(group, step + 1))
+            self._last_update = "cpu"
+            self.state[p].update(state, step=step + 1)
+            return
         exp_avg, exp_avg_sq, step = self._table_state(p, table)
         hyper = self._hyper(group, step + 1)
         if table.cache is not None:
@@ -228,6 +261,9 @@ class SparseAdam(torch.optim.SparseAdam):
         """The fused mode's update of `table` with the lookup gradients of
         one backward pass (called by _fused at the pass's end)."""
         p, group = _fused.param_of(self, table)
+        if self._compact:
+            self._fused_compact_update(p, table, group, gradients)
+            return
         exp_avg, exp_avg_sq, step = self._table_state(p, table)
         hyper = self._hyper(group, step + 1)
         if len(gradients) > 1 or isinstance(gradients[0], _fused.RowGradient):
@@ -261,6 +297,44 @@ class SparseAdam(torch.optim.SparseAdam):
                 self._last_update = "cpu"
         self.state[p].update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
 
+    def _fused_compact_update(self, p, table, group, gradients):
+        """_fused_update of a compact state: on the CPU (one lookup's
+        gradient in the core's fused pass, else the reduced gradients as
+        unfused)."""
+        state, step = self._compact_state(p, table)
+        hyper, core_state = self._hyper(group, step + 1), self._core_state(table, state)
+        if len(gradients) == 1 and isinstance(gradients[0], _fused.CpuGradient):
+            update_ops.sparse_update_fused(self._kind, p, core_state, gradients[0], **hyper)
+        else:
+            parts = [update_ops.reduce_to_host(table, g) for g in gradients]
+            update_ops.sparse_update(self._kind, p, core_state, torch.cat([i for i, _ in parts]),
+                                     torch.cat([v for _, v in parts]), **hyper)
+        self._last_update = "cpu"
+        self.state[p].update(state, step=step + 1)
+
+    def _compact_state(self, p, table):
+        """(state tensors by key, step) of a host table under a compact
+        form: new zeroed buffers before its first update."""
+        state = self.state.get(p)
+        if state:
+            return {k: v for k, v in state.items() if k != "step"}, int(state["step"])
+        new = self._form.new(table, "exp_avg", nonnegative=False)
+        if self._rowwise:
+            new["exp_avg_sq"] = table.zeros(per_row=True)
+        else:
+            new.update(self._form.new(table, "exp_avg_sq", nonnegative=True))
+        return new, 0
+
+    def _core_state(self, table, state):
+        return {key: self._form.core_item(table, state, key) for key in _STATE_TENSORS}
+
+    def state_bytes(self):
+        """Host bytes of the optimizer state of each hostembed table, by
+        parameter: {param: bytes} (its moments and their scales as kept;
+        tables not yet stepped have none)."""
+        return {p: state_bytes(self.state[p])
+                for group in self.param_groups for p in group["params"]
+                if table_of(p) is not None and self.state.get(p)}
 
     @staticmethod
     def _gpu_ready(p, table, exp_avg, exp_avg_sq, device):
@@ -363,6 +437,15 @@ def _reusable(table, tensor):
     return base == tensor.data_ptr() and base != table.tensor.data_ptr() and table._buffers.get(base) is not None
 
 
+def _saved_compact(entry, p):
+    """True when a saved state holds a form torch's load cannot cast: 8-bit
+    codes (and their scales), or a row-wise second moment."""
+    if any(key in entry for key in _SCALE_KEYS):
+        return True
+    return any(isinstance(entry[key], torch.Tensor) and (entry[key].dtype in CODE_DTYPES or (
+        key == "exp_avg_sq" and tuple(entry[key].shape) == tuple(p.shape[:1]))) for key in _STATE_TENSORS)
+
+
 class _Moment:
     """One moment of a host table's state: where it comes from and goes."""
 
@@ -391,6 +474,7 @@ class LoadPlan:
         saved_state = state_dict["state"]
         self.state = {}
         self.moments = []
+        self.converted, self.converted_state = [], {}
         for index, group, pairs in layout:
             _validate.check_sparse_adam_group(group, f"{where}: param_groups[{index}]")
             _check_weight_decay(dict(group, params=[p for _, p in pairs]), f"{where}: param_groups[{index}]")
@@ -399,10 +483,20 @@ class LoadPlan:
                 if not entry:
                     continue
                 here = f"{where}: state of parameter {saved_id}"
-                if set(entry) != set(_STATE_KEYS):
-                    raise ValueError(f"{here}: expected the keys {list(_STATE_KEYS)} (or an empty state), found "
-                                     f"{sorted(map(repr, entry))}")
+                table = table_of(p)
+                if not set(_STATE_KEYS) <= set(entry) <= set(_STATE_KEYS + (_SCALE_KEYS if table else ())):
+                    raise ValueError(f"{here}: expected the keys {list(_STATE_KEYS)} (and, for 8-bit moments, "
+                                     f"{list(_SCALE_KEYS)}), or an empty state; found {sorted(map(repr, entry))}")
                 step = _validate.check_step(entry["step"], here)
+                if table is not None and (optimizer._compact or _saved_compact(entry, p)):
+                    # Saved in a compact form, or loaded into one: converted
+                    # (a chunk of rows at a time) into new buffers at stage().
+                    for key in _STATE_TENSORS:
+                        check_saved(entry[key], entry.get(scale_key(key)), key, p, here,
+                                    per_row_ok=key == "exp_avg_sq")
+                    self.state[saved_id] = {"step": step}
+                    self.converted.append((saved_id, table, entry))
+                    continue
                 for key in _STATE_TENSORS:
                     value = entry[key]
                     try:
@@ -446,6 +540,16 @@ class LoadPlan:
             self.fill(buffer, moment.source, f"loading {moment.key}")
         for moment, buffer in zip(fresh, buffers):
             moment.destination = buffer
+        form = self.optimizer._form
+        converted = {}
+        for saved_id, table, entry in self.converted:
+            state = {}
+            for key in _STATE_TENSORS:
+                per_row = key == "exp_avg_sq" and self.optimizer._rowwise
+                state.update(form.convert(table, key, key == "exp_avg_sq", per_row, entry[key],
+                                          entry.get(scale_key(key))))
+            converted[saved_id] = state
+        self.converted_state = converted
         self.staged = True
 
     def in_place_bytes(self):
@@ -485,3 +589,5 @@ class LoadPlan:
                   for saved, p in zip(saved_group["params"], group["params"])}
         for moment in self.moments:
             self.optimizer.state[params[moment.saved_id]][moment.key] = moment.destination
+        for saved_id, state in self.converted_state.items():
+            self.optimizer.state[params[saved_id]].update(state)

@@ -9,14 +9,15 @@ from torch import Tensor
 
 from .. import _C
 from .. import fused as _fused
-from ..table import DTYPE_CODES, dtype_name, host_table_of
+from ..table import DTYPE_CODES, STATE_CODES, dtype_name, host_table_of
 from .common import address, cpu_ids_args, custom_op, holding
 from .cpu import gradient_rows, leaves_positions, position_rows, reduce_rows
 
 
 # Optimizer kinds of the core (include/he_optim.h).
-ADAM, SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2, 3
-_OPTIMIZER_NAMES = {ADAM: "SparseAdam", SGD: "SGD", ADAGRAD: "Adagrad", ROWWISE_ADAGRAD: "RowWiseAdagrad"}
+ADAM, SGD, ADAGRAD, ROWWISE_ADAGRAD, ROWWISE_ADAM = 0, 1, 2, 3, 4
+_OPTIMIZER_NAMES = {ADAM: "SparseAdam", SGD: "SGD", ADAGRAD: "Adagrad", ROWWISE_ADAGRAD: "RowWiseAdagrad",
+                    ROWWISE_ADAM: "SparseAdam"}
 
 
 def sparse_update(kind: int, weight: Tensor, state, indices: Tensor, values: Tensor, *, lr: float, step: int,
@@ -38,8 +39,8 @@ def sparse_update(kind: int, weight: Tensor, state, indices: Tensor, values: Ten
     if table.cache is not None:
         # Checked before the cache writes its records (update_rows checks
         # the host part only after them).
-        for key, tensor in state.items():
-            table.buffer_of(tensor, f"{name}'s {key}")
+        for key, item in state.items():
+            _state_buffer(table, f"{name}'s {key}", item)
         with table.lock:
             table.cache.update(kind, state, indices, values, **hyper)
         return
@@ -104,10 +105,21 @@ def _table_args(kind: int, table, state, **hyper) -> dict:
     checked to be one of the table's), the hyperparameters (TypeError for
     any other), the dtype and rounding."""
     name = _OPTIMIZER_NAMES[kind]
-    buffers = tuple(table.buffer_of(tensor, f"{name}'s {key}") for key, tensor in state.items())
+    buffers = tuple(_state_buffer(table, f"{name}'s {key}", item) for key, item in state.items())
     return dict(kind=kind, weight=table.buffer, state=buffers, num_rows=table.num_rows, dim=table.dim,
                 dtype=DTYPE_CODES[table.dtype], stochastic_rounding=table.stochastic_rounding, seed=table.seed,
                 **_hyperparameters(**hyper))
+
+
+def _state_buffer(table, what, item):
+    """The core's form of one state: its buffer (in the table's compute
+    dtype), or for a compact state given as (tensor, scales or None,
+    stochastic), (buffer, he_dtype, scales' buffer or None, stochastic)."""
+    if isinstance(item, torch.Tensor):
+        return table.buffer_of(item, what)
+    tensor, scale, stochastic = item
+    return (table.buffer_of(tensor, what), STATE_CODES[tensor.dtype],
+            None if scale is None else table.buffer_of(scale, f"{what}'s scales"), bool(stochastic))
 
 
 @custom_op("hostembed::sparse_adam_", mutates_args=("weight", "exp_avg", "exp_avg_sq"))
