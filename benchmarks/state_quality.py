@@ -20,6 +20,8 @@ A form is (table dtype, state dtype, row-wise second moment, state rounding):
   int8(_sr)                int8 moments, rounded to nearest (stochastically)
   rowwise                  float32 exp_avg, one second moment a row
   int8_rowwise             int8 exp_avg, one second moment a row
+  bf16_table               a bfloat16 table, float32 moments (what the table's
+                           dtype alone costs)
   bf16_table_int8          int8 moments on a bfloat16 table (4.06 bytes a
                            parameter at D=128)
   bf16_table_int8_rowwise  int8 exp_avg and a row-wise second moment on a
@@ -82,6 +84,7 @@ FORMS = {
     "int8_sr": (F32, I8, False, "stochastic"),
     "rowwise": (F32, F32, True, "nearest"),
     "int8_rowwise": (F32, I8, True, "nearest"),
+    "bf16_table": (BF16, F32, False, "nearest"),
     "bf16_table_int8": (BF16, I8, False, "nearest"),
     "bf16_table_int8_rowwise": (BF16, I8, True, "nearest"),
 }
@@ -330,14 +333,24 @@ def plot(report):
         for col, (name, results) in enumerate(models.items()):
             top, bottom = axes[0][col], axes[1][col]
             ref = mean_curve(results[REFERENCE]["runs"]) if REFERENCE in results else None
+            kept = []  # the curves the axes are scaled to: a form far off fp32's would flatten the rest
             for form, s in results.items():
                 steps, loss = mean_curve(s["runs"])
+                off = ref is not None and not np.all(np.abs(loss[:len(ref[1])] - ref[1][:len(loss)]) < 0.1)
                 style = (dict(color="black", linewidth=2.5) if form == REFERENCE else
                          dict(linewidth=1, linestyle="--" if form in DENSE_FORMS else "-"))
-                top.plot(steps, loss, label=form, **style)
+                label = f"{form} (off the chart)" if off else form
+                top.plot(steps, loss, label=label, **style)
                 if ref is not None:
                     n = min(len(loss), len(ref[1]))
-                    bottom.plot(steps[:n], loss[:n] - ref[1][:n], label=form, **style)
+                    bottom.plot(steps[:n], loss[:n] - ref[1][:n], label=label, **style)
+                    if not off:
+                        kept.append((loss, loss[:n] - ref[1][:n]))
+            if kept:
+                for axis, values in ((top, [k[0] for k in kept]), (bottom, [k[1] for k in kept])):
+                    low, high = min(map(np.min, values)), max(map(np.max, values))
+                    pad = 0.05 * (high - low or 1.0)
+                    axis.set_ylim(low - pad, high + pad)
             top.set_title(name)
             bottom.set_xlabel("step")
         axes[0][0].set_ylabel(f"training BCE (mean of {report['config']['log_every']} steps and the seeds)")

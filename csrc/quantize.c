@@ -1,7 +1,7 @@
 #include "quantize.h"
 
-#include <float.h>
 #include <math.h>
+#include <string.h>
 
 #include "convert.h"
 #include "he_dtype.h"
@@ -44,47 +44,38 @@ void he_q8_to_f32(int dtype, const void *codes, float scale, float *dst, int64_t
     }
 }
 
-/* roots[j] = the root of src[j] (quantize.h), in one vectorised loop. */
-HE_SIMD_CLONES
-static void block_roots(int dtype, const float *src, float *roots, int64_t n)
+static inline uint32_t bits_of(float x)
 {
-    if (dtype == HE_Q8)
-        for (int64_t j = 0; j < n; j++)
-            roots[j] = signed_root(src[j]);
-    else
-        for (int64_t j = 0; j < n; j++)
-            roots[j] = fourth_root(src[j]);
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
 }
 
-/* The largest |roots[j]| into *peak; 0 when one is NaN or infinite (a NaN
- * or infinite value, or a negative one for HE_Q8_NONNEG). Eight lanes: a
- * float max over one accumulator does not vectorise without fast-math. */
-#define HE_Q8_LANES 8
+/* roots[j] = the root of src[j] (quantize.h); returns the bits of the
+ * largest |root|. The magnitudes' bits order as unsigned integers do (an
+ * infinity above every finite value, a NaN above both), so the maximum is
+ * an integer one, which vectorises (a float max does not without
+ * fast-math, for its NaN rules). */
 HE_SIMD_CLONES
-static int block_peak(const float *roots, int64_t n, float *peak)
+static uint32_t block_roots(int dtype, const float *src, float *roots, int64_t n)
 {
-    float lane[HE_Q8_LANES] = {0};
-    int bad[HE_Q8_LANES] = {0};
-    int64_t j = 0;
-    for (; j + HE_Q8_LANES <= n; j += HE_Q8_LANES)
-        for (int k = 0; k < HE_Q8_LANES; k++) {
-            float a = fabsf(roots[j + k]);
-            bad[k] |= !(a <= FLT_MAX);
-            lane[k] = a > lane[k] ? a : lane[k];
+    uint32_t top = 0;
+    if (dtype == HE_Q8) {
+        for (int64_t j = 0; j < n; j++) {
+            float r = signed_root(src[j]);
+            uint32_t b = bits_of(r) & 0x7FFFFFFFu;
+            roots[j] = r;
+            top = b > top ? b : top;
         }
-    for (int k = 0; j < n; j++, k++) {
-        float a = fabsf(roots[j]);
-        bad[k] |= !(a <= FLT_MAX);
-        lane[k] = a > lane[k] ? a : lane[k];
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            float r = fourth_root(src[j]);
+            uint32_t b = bits_of(r) & 0x7FFFFFFFu;
+            roots[j] = r;
+            top = b > top ? b : top;
+        }
     }
-    float m = 0.0f;
-    int any_bad = 0;
-    for (int k = 0; k < HE_Q8_LANES; k++) {
-        m = lane[k] > m ? lane[k] : m;
-        any_bad |= bad[k];
-    }
-    *peak = m;
-    return !any_bad;
+    return top;
 }
 
 HE_SIMD_CLONES
@@ -128,9 +119,10 @@ void he_q8_from_f32(int dtype, const float *src, void *codes, float *scale, int6
 {
     _Alignas(64) float roots[HE_Q8_BLOCK];
     float top = dtype == HE_Q8 ? 127.0f : 255.0f;
+    uint32_t peak = block_roots(dtype, src, roots, n);
+    int finite = peak < 0x7F800000u; /* no NaN or infinity (nor, for HE_Q8_NONNEG, a negative value) */
     float m = 0.0f;
-    block_roots(dtype, src, roots, n);
-    int finite = block_peak(roots, n, &m);
+    memcpy(&m, &peak, sizeof m);
     if (!finite || m == 0.0f) {
         /* All zero (codes 0, scale 0), or not finite (scale NaN: the block
          * decodes to NaN, as a float state would stay NaN). */

@@ -170,6 +170,7 @@ def test_100_zipf_steps_stay_near_float32_state(form):
     assert diff.mean() <= mean * path.mean(), f"{form}: {float(diff.mean())} against {float(path.mean())}"
 
 
+@pytest.mark.filterwarnings("ignore:SparseAdam. float16 state underflows")
 @pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("dim", DIMS)
 def test_fused_gives_unfused_bits(form, dim):
@@ -323,6 +324,8 @@ def test_options_are_checked():
         hostembed.SparseAdam([weight], rowwise_exp_avg_sq=1)
     with pytest.raises(ValueError, match="state_dtype must be one of"):
         hostembed.Adagrad([weight], state_dtype=torch.uint8)
+    with pytest.warns(UserWarning, match="float16 state underflows"):
+        hostembed.SparseAdam([weight], state_dtype=torch.float16)
 
 
 def test_core_refuses_a_square_root_form_for_a_signed_state_and_writes_nothing():

@@ -20,6 +20,8 @@ then the values are cast or quantized to the optimizer's form, a chunk of
 rows at a time; a row-wise moment spreads over its row's columns, and a
 per-element one becomes a row-wise one as its row's mean.
 """
+import warnings
+
 import torch
 
 from ..io.validate import describe
@@ -55,6 +57,11 @@ class StateForm:
                              f"torch.int8 (\"int8\"), got {dtype!r}")
         if rounding not in ROUNDINGS:
             raise ValueError(f"{where}: state_rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        if dtype == torch.float16:
+            warnings.warn(f"{where}: float16 state underflows squared gradients under about 2.4e-4 (Adam's "
+                          "exp_avg_sq takes a thousandth of them: gradients under 8e-3) to 0, and the step then "
+                          "divides by eps; training diverged with it on every model benchmarks/state_quality.py "
+                          "trains. Use torch.bfloat16 (float32's range) or torch.int8", UserWarning, stacklevel=3)
         self.dtype, self.rounding = dtype, rounding
 
     @property
