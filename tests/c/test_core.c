@@ -41,6 +41,7 @@
 
 #include "cache_plan.h"
 #include "convert.h"
+#include "quantize.h"
 #include "dedup.h"
 #include "gather.h"
 #include "grad_reduce.h"
@@ -3153,6 +3154,125 @@ static void test_sparse_update_fused_many(void)
  * repeated and unsorted in one), bitwise what one he_sparse_update a table
  * gives; a table whose update fails its checks (an index out of range, a
  * state of another shape) leaves every table as it was, and is named. */
+/* Compact state (quantize.h): for SparseAdam, row-wise Adam and Adagrad
+ * with bfloat16 or 8-bit state, rounded to nearest or stochastically, the
+ * fused backward gives unfused bits (codes and scales too) on rows of one
+ * scale block and of two (the second partial); a scale buffer too small, or
+ * the non-negative form for a signed state, is refused before any write. */
+typedef struct compact_twin {
+    float *w;
+    void *s[2];
+    float *scale[2];
+} compact_twin;
+
+static void test_sparse_update_compact_state(void)
+{
+    group_begin();
+    const int64_t rows = 90, count = 300;
+    const int kinds[] = {HE_OPTIM_ADAM, HE_OPTIM_ROWWISE_ADAM, HE_OPTIM_ADAGRAD};
+    const int forms[] = {HE_BF16, HE_Q8};
+    const int64_t dims[] = {40, 300};
+    for (size_t ki = 0; ki < sizeof kinds / sizeof *kinds; ki++)
+        for (size_t fi = 0; fi < sizeof forms / sizeof *forms; fi++)
+            for (size_t di = 0; di < sizeof dims / sizeof *dims; di++)
+                for (int stochastic = 0; stochastic < 2; stochastic++) {
+                    const he_optim_rule *rule = he_optim_rule_of(kinds[ki]);
+                    int64_t dim = dims[di], blocks = he_q8_blocks(dim);
+                    int64_t *ids = xmalloc((size_t)count * sizeof *ids);
+                    float *grad = xmalloc((size_t)(count * dim) * sizeof *grad);
+                    g_rng = 7 + (uint64_t)dim;
+                    for (int64_t i = 0; i < count; i++)
+                        ids[i] = (int64_t)(rng_below(3) ? rng_below(8) : rng_below((uint64_t)rows));
+                    fill_uniform(grad, count * dim, -1.0, 1.0);
+                    compact_twin c[2];
+                    he_table t[2][3];
+                    for (int k = 0; k < 2; k++) {
+                        c[k].w = xmalloc((size_t)(rows * dim) * sizeof(float));
+                        g_rng = 3;
+                        fill_uniform(c[k].w, rows * dim, -1.0, 1.0);
+                        t[k][0] = he_table_contiguous(c[k].w, (size_t)(rows * dim) * sizeof(float), rows, dim);
+                        for (int i = 0; i < rule->num_state; i++) {
+                            int per_row = rule->per_row[i];
+                            int dtype = per_row ? HE_F32 : forms[fi] == HE_Q8 && rule->nonnegative[i] ? HE_Q8_NONNEG
+                                                                                                       : forms[fi];
+                            int64_t width = per_row ? 1 : dim;
+                            size_t bytes = (size_t)(rows * width) * he_dtype_size(dtype);
+                            c[k].s[i] = xmalloc(bytes);
+                            memset(c[k].s[i], 0, bytes);
+                            t[k][1 + i] = he_table_typed(c[k].s[i], bytes, rows, width, dtype);
+                            c[k].scale[i] = NULL;
+                            if (he_dtype_quantized(dtype)) {
+                                c[k].scale[i] = xmalloc((size_t)(rows * blocks) * sizeof(float));
+                                memset(c[k].scale[i], 0, (size_t)(rows * blocks) * sizeof(float));
+                                t[k][1 + i].scale = c[k].scale[i];
+                                t[k][1 + i].scale_nbytes = (size_t)(rows * blocks) * sizeof(float);
+                                t[k][1 + i].scale_stride = blocks;
+                            }
+                        }
+                    }
+                    he_optim_params hp = {.kind = kinds[ki], .lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-6,
+                                          .step = 3, .state_stochastic_rounding = stochastic, .seed = 11};
+                    he_reduce_opts opts = {-1, 0};
+                    he_ids view = {ids, count, 1};
+                    he_dedup *d = NULL;
+                    CHECK_ST(he_dedup_build(&view, rows, &d), HE_OK);
+                    CHECK_ST(he_sparse_update_fused(d, grad, &opts, &hp, &t[0][0], &t[0][1], rule->num_state),
+                             HE_OK);
+                    float *values = xmalloc((size_t)(d->num_unique * dim) * sizeof *values);
+                    int64_t *indices = xmalloc((size_t)d->num_unique * sizeof *indices), nnz = 0;
+                    CHECK_ST(he_grad_reduce(d, grad, dim, &opts, values, indices, &nnz), HE_OK);
+                    CHECK_ST(he_sparse_update(&hp, &t[1][0], &t[1][1], rule->num_state, indices, values, HE_F32,
+                                              nnz), HE_OK);
+                    CHECKF(memcmp(c[0].w, c[1].w, t[0][0].nbytes) == 0, "%s, dim %" PRId64 ": weights differ",
+                           rule->name, dim);
+                    int moved = 0;
+                    for (int i = 0; i < rule->num_state; i++) {
+                        CHECKF(memcmp(c[0].s[i], c[1].s[i], t[0][1 + i].nbytes) == 0,
+                               "%s, dim %" PRId64 ": state %d differs", rule->name, dim, i);
+                        if (c[0].scale[i])
+                            CHECK(memcmp(c[0].scale[i], c[1].scale[i], (size_t)(rows * blocks) * sizeof(float)) == 0);
+                        for (size_t b = 0; b < t[0][1 + i].nbytes; b++)
+                            moved |= ((unsigned char *)c[0].s[i])[b] != 0;
+                    }
+                    CHECKF(moved, "%s: the state did not change", rule->name);
+                    /* Refused, nothing written: scales that do not fit, and
+                     * the non-negative form for a signed state. */
+                    float *before = xmalloc(t[1][0].nbytes);
+                    memcpy(before, c[1].w, t[1][0].nbytes);
+                    for (int i = 0; i < rule->num_state; i++) {
+                        if (!c[1].scale[i])
+                            continue;
+                        he_table bad[2] = {t[1][1], t[1][2]};
+                        bad[i].scale_nbytes -= sizeof(float);
+                        CHECK_ST(he_sparse_update(&hp, &t[1][0], bad, rule->num_state, indices, values, HE_F32, nnz),
+                                 HE_ERR_VALUE);
+                        CHECK_MSG("scales");
+                        if (!rule->nonnegative[i]) {
+                            bad[i] = t[1][1 + i];
+                            bad[i].dtype = HE_Q8_NONNEG;
+                            CHECK_ST(he_sparse_update(&hp, &t[1][0], bad, rule->num_state, indices, values, HE_F32,
+                                                      nnz), HE_ERR_VALUE);
+                            CHECK_MSG("takes negative values");
+                        }
+                    }
+                    CHECK(memcmp(before, c[1].w, t[1][0].nbytes) == 0);
+                    free(before);
+                    for (int k = 0; k < 2; k++) {
+                        free(c[k].w);
+                        for (int i = 0; i < rule->num_state; i++) {
+                            free(c[k].s[i]);
+                            free(c[k].scale[i]);
+                        }
+                    }
+                    free(values);
+                    free(indices);
+                    free(ids);
+                    free(grad);
+                    he_dedup_free(d);
+                }
+    group_end("sparse_update_compact_state");
+}
+
 static void test_sparse_update_many(void)
 {
     group_begin();
@@ -3237,6 +3357,7 @@ int main(void)
     test_pool_bags();
     test_sparse_update_fused_many();
     test_sparse_update_many();
+    test_sparse_update_compact_state();
     test_scratch();
     test_negative_shapes();
     test_table_bounds();
