@@ -80,8 +80,9 @@ class SparseAdam(torch.optim.SparseAdam):
     The default (float32, element-wise) is torch's SparseAdam exactly; the
     compact forms are not, and the README measures what they cost in model
     quality. A compact state updates on the CPU (a table with GPU outputs
-    copies its gradient to the host); a table with a row cache refuses
-    it. Any saved form loads into any other (optim/compact_state.py).
+    copies its gradient to the host); a row cache keeps it in host-memory
+    records (a GPU cache moves there, with a warning), rounded to nearest
+    only. Any saved form loads into any other (optim/compact_state.py).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, *, update=DEFAULT_UPDATE,
