@@ -101,10 +101,7 @@ def memory(args, form):
     del grad, ids
     gc.collect()
     grown = rss_bytes() - before
-    # The state's tensors as kept (opt.state_bytes() says the same; read
-    # here so that the script also runs on a hostembed without it).
-    allocated = emb.weight.numel() * emb.weight.element_size() + sum(
-        v.numel() * v.element_size() for v in opt.state[emb.weight].values() if torch.is_tensor(v))
+    allocated = emb.weight.numel() * emb.weight.element_size() + opt.state_bytes()[emb.weight]
     params = args.rows * args.dim
     del emb, opt
     gc.collect()

@@ -78,6 +78,8 @@ static uint32_t block_roots(int dtype, const float *src, float *roots, int64_t n
     return top;
 }
 
+/* codes[j] = roots[j] * inv rounded to nearest, clamped to the form's
+ * codes (stochastic rounding hands over roots already rounded, inv 1). */
 HE_SIMD_CLONES
 static void encode_nearest(int dtype, const float *src, const float *roots, void *codes, float inv, int64_t n)
 {
@@ -99,19 +101,12 @@ static void encode_nearest(int dtype, const float *src, const float *roots, void
     }
 }
 
-static void encode_stochastic(int dtype, const float *src, const float *roots, void *codes, float inv, int64_t n,
-                              uint64_t seed, int64_t row, int64_t col0)
+/* roots[j] * inv rounded down or up, unbiased, in place: whole numbers,
+ * which encode_nearest then clamps and stores as they are. */
+static void round_stochastic(float *roots, float inv, int64_t n, uint64_t seed, int64_t row, int64_t col0)
 {
-    for (int64_t j = 0; j < n; j++) {
-        float q = floorf(roots[j] * inv + unit_draw(seed, row, col0 + j));
-        if (dtype == HE_Q8) {
-            ((int8_t *)codes)[j] = (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
-        } else {
-            float least = src[j] > 0.0f ? 1.0f : 0.0f;
-            q = q > 255.0f ? 255.0f : q;
-            ((uint8_t *)codes)[j] = (uint8_t)(q < least ? least : q);
-        }
-    }
+    for (int64_t j = 0; j < n; j++)
+        roots[j] = floorf(roots[j] * inv + unit_draw(seed, row, col0 + j));
 }
 
 void he_q8_from_f32(int dtype, const float *src, void *codes, float *scale, int64_t n, int stochastic, uint64_t seed,
@@ -133,8 +128,9 @@ void he_q8_from_f32(int dtype, const float *src, void *codes, float *scale, int6
     }
     *scale = m / top;
     float inv = top / m;
-    if (stochastic)
-        encode_stochastic(dtype, src, roots, codes, inv, n, seed, row, col0);
-    else
-        encode_nearest(dtype, src, roots, codes, inv, n);
+    if (stochastic) {
+        round_stochastic(roots, inv, n, seed, row, col0);
+        inv = 1.0f;
+    }
+    encode_nearest(dtype, src, roots, codes, inv, n);
 }

@@ -1524,6 +1524,19 @@ static void test_sparse_adam_fused(void)
 /* Every optimizer: the fused backward gives the same bits as grad_reduce
  * then he_sparse_update (row-wise Adagrad, which needs whole rows, also
  * past the reduce's column block), and a bad table changes nothing. */
+/* A batch skewed to its first `hot` rows (two ids in three), seeded: ids
+ * [count] of a table of `rows`, and gradient rows [count, dim] in (-1, 1). */
+static void skewed_batch(uint64_t seed, int64_t count, int64_t rows, uint64_t hot, int64_t dim, int64_t **ids,
+                         float **grad)
+{
+    *ids = xmalloc((size_t)count * sizeof **ids);
+    *grad = xmalloc((size_t)(count * dim) * sizeof **grad);
+    g_rng = seed;
+    for (int64_t i = 0; i < count; i++)
+        (*ids)[i] = (int64_t)(rng_below(3) ? rng_below(hot) : rng_below((uint64_t)rows));
+    fill_uniform(*grad, count * dim, -1.0, 1.0);
+}
+
 /* Two copies (c = 0, 1) of a weight and two state tables of `rows` rows,
  * widths[i] wide, filled with the same draws: one for the path under test,
  * one for its reference. */
@@ -1553,13 +1566,9 @@ static void test_sparse_update_every_optimizer(void)
     for (int kind = 0; kind < HE_OPTIM_KINDS; kind++) {
         const he_optim_rule *rule = he_optim_rule_of(kind);
         for (size_t di = 0; di < sizeof dims / sizeof *dims; di++) {
-            int64_t dim = dims[di];
-            int64_t *ids = xmalloc((size_t)count * sizeof *ids);
-            float *grad = xmalloc((size_t)(count * dim) * sizeof *grad);
-            g_rng = 99 + (uint64_t)dim;
-            for (int64_t i = 0; i < count; i++)
-                ids[i] = (int64_t)(rng_below(3) ? rng_below(10) : rng_below((uint64_t)rows));
-            fill_uniform(grad, count * dim, -1.0, 1.0);
+            int64_t dim = dims[di], *ids;
+            float *grad;
+            skewed_batch(99 + (uint64_t)dim, count, rows, 10, dim, &ids, &grad);
             /* weight, then up to two states, twice: fused and reference. */
             float *mem[2][3];
             he_table t[2][3];
@@ -2380,13 +2389,10 @@ static void test_sparse_update_dtypes(void)
                 int dt = types[t], ct = he_compute_dtype(dt), half = ct != dt;
                 int64_t dim = dims[di];
                 size_t we = he_dtype_size(dt), ce = he_dtype_size(ct);
-                int64_t *ids = xmalloc((size_t)count * sizeof *ids);
-                float *grad32 = xmalloc((size_t)(count * dim) * sizeof(float));
+                int64_t *ids;
+                float *grad32;
+                skewed_batch(7 + (uint64_t)dim + (uint64_t)t, count, rows, 8, dim, &ids, &grad32);
                 uint16_t *grad16 = xmalloc((size_t)(count * dim) * sizeof(uint16_t));
-                g_rng = 7 + (uint64_t)dim + (uint64_t)t;
-                for (int64_t i = 0; i < count; i++)
-                    ids[i] = (int64_t)(rng_below(3) ? rng_below(8) : rng_below((uint64_t)rows));
-                fill_uniform(grad32, count * dim, -1.0, 1.0);
                 void *grad = grad32;
                 if (ct == HE_F64) {
                     double *g64 = xmalloc((size_t)(count * dim) * sizeof(double));
@@ -3177,13 +3183,9 @@ static void test_sparse_update_compact_state(void)
             for (size_t di = 0; di < sizeof dims / sizeof *dims; di++)
                 for (int stochastic = 0; stochastic < 2; stochastic++) {
                     const he_optim_rule *rule = he_optim_rule_of(kinds[ki]);
-                    int64_t dim = dims[di], blocks = he_q8_blocks(dim);
-                    int64_t *ids = xmalloc((size_t)count * sizeof *ids);
-                    float *grad = xmalloc((size_t)(count * dim) * sizeof *grad);
-                    g_rng = 7 + (uint64_t)dim;
-                    for (int64_t i = 0; i < count; i++)
-                        ids[i] = (int64_t)(rng_below(3) ? rng_below(8) : rng_below((uint64_t)rows));
-                    fill_uniform(grad, count * dim, -1.0, 1.0);
+                    int64_t dim = dims[di], blocks = he_q8_blocks(dim), *ids;
+                    float *grad;
+                    skewed_batch(7 + (uint64_t)dim, count, rows, 8, dim, &ids, &grad);
                     compact_twin c[2];
                     he_table t[2][3];
                     for (int k = 0; k < 2; k++) {

@@ -100,8 +100,6 @@ class SparseAdam(torch.optim.SparseAdam):
         self.update, self.fused, self._weight_decay = update, fused, float(weight_decay)
         self._form = StateForm(state_dtype, state_rounding, "SparseAdam")
         self._rowwise = rowwise_exp_avg_sq
-        self._compact = self._form.compact or rowwise_exp_avg_sq
-        self._kind = update_ops.ROWWISE_ADAM if rowwise_exp_avg_sq else update_ops.ADAM
         super().__init__(params, lr=lr, betas=betas, eps=eps, maximize=maximize)
         self.defaults["weight_decay"] = self._weight_decay
 
@@ -123,6 +121,15 @@ class SparseAdam(torch.optim.SparseAdam):
                 raise
         for table in tables:
             self._want_grad_twin(table)
+
+    @property
+    def _compact(self):
+        """Whether host tables keep a state other than torch's."""
+        return self._form.compact or self._rowwise
+
+    @property
+    def _kind(self):
+        return update_ops.ROWWISE_ADAM if self._rowwise else update_ops.ADAM
 
     def _want_grad_twin(self, table):
         """Asks backward to keep the gradient on the GPU while an update
