@@ -138,7 +138,9 @@ class _CachedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        return cpu_ops.lookup_backward(ctx, grad_out)[:5] + (None, None)
+        # GPU outputs were copied from host rows inside forward, so their
+        # gradient arrives on the GPU; the table's is a host one.
+        return cpu_ops.lookup_backward(ctx, grad_out.cpu())[:5] + (None, None)
 
 
 class _CachedGpuLookup(torch.autograd.Function):
