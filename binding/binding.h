@@ -78,6 +78,7 @@ int heb_host_buffer_add(PyObject *module); /* host_buffer.c: HostBuffer */
 int heb_cpu_ops_add(PyObject *module);     /* cpu_ops.c: Dedup, gather, grad_reduce, renorm, sparse_update */
 int heb_bag_ops_add(PyObject *module);     /* bag_ops.c: pool_bags, bag_positions */
 int heb_cache_add(PyObject *module);       /* cache.c: CachePlanner */
+int heb_row_file_add(PyObject *module);    /* row_file.c: read_rows, write_rows */
 int heb_cuda_ops_add(PyObject *module);    /* cuda_ops.c: cuda_*; adds nothing without HE_WITH_CUDA */
 int heb_cuda_cache_add(PyObject *module);  /* cuda_cache.c: cuda_cache_*; likewise */
 

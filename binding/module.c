@@ -106,7 +106,7 @@ PyMODINIT_FUNC PyInit__C(void)
         Py_DECREF(cuda_compiled);
         goto fail;
     }
-    if (heb_host_buffer_add(m) < 0 || heb_cpu_ops_add(m) < 0 || heb_bag_ops_add(m) < 0 || heb_cache_add(m) < 0 ||
+    if (heb_host_buffer_add(m) < 0 || heb_cpu_ops_add(m) < 0 || heb_bag_ops_add(m) < 0 || heb_cache_add(m) < 0 || heb_row_file_add(m) < 0 ||
         heb_cuda_ops_add(m) < 0 || heb_cuda_cache_add(m) < 0)
         goto fail;
     return m;

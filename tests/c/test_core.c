@@ -34,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -49,6 +50,7 @@
 #include "host_memory.h"
 #include "ids.h"
 #include "renorm.h"
+#include "row_file.h"
 #include "optimizers.h"
 #include "pool_bags.h"
 #include "sparse_adam.h"
@@ -3343,6 +3345,73 @@ static void test_sparse_update_many(void)
     group_end("sparse_update_many");
 }
 
+/* A table file's rows: written and read back by many threads, in runs of
+ * consecutive rows and alone; bad arguments, a short file, a removed file
+ * and a failing request refused with the row named. */
+static void test_row_file(void)
+{
+    group_begin();
+    char path[] = "/tmp/he_test_rows_XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0);
+    if (fd < 0)
+        return;
+    enum { ROWS = 1000, N = 300 };
+    const size_t row_bytes = 40;
+    CHECK(ftruncate(fd, (off_t)(ROWS * row_bytes)) == 0);
+    he_row_file f = {fd, row_bytes, ROWS, 0, 0, path};
+    int64_t rows[N];
+    for (int k = 0, r = 0; k < N; k++) {
+        r += (k % 7 == 0) ? 5 : 1; /* runs of consecutive rows, and gaps */
+        rows[k] = r;
+    }
+    unsigned char *out = malloc(N * row_bytes), *back = malloc(N * row_bytes);
+    CHECK(out && back);
+    if (!out || !back)
+        return;
+    for (size_t i = 0; i < N * row_bytes; i++)
+        out[i] = (unsigned char)(i * 31 + 7);
+    for (int threads = 1; threads <= 8; threads *= 8) {
+        CHECK_ST(he_row_file_write(&f, rows, N, out, threads), HE_OK);
+        memset(back, 0, N * row_bytes);
+        CHECK_ST(he_row_file_read(&f, rows, N, back, threads), HE_OK);
+        CHECK(memcmp(out, back, N * row_bytes) == 0);
+    }
+    unsigned char row0[40];
+    CHECK(pread(fd, row0, row_bytes, (off_t)(rows[3] * row_bytes)) == (ssize_t)row_bytes);
+    CHECK(memcmp(row0, out + 3 * row_bytes, row_bytes) == 0);
+
+    int64_t unsorted[2] = {5, 4}, outside[1] = {ROWS};
+    CHECK_ST(he_row_file_read(&f, unsorted, 2, back, 4), HE_ERR_VALUE);
+    CHECK_MSG("ascending and distinct");
+    CHECK_ST(he_row_file_read(&f, outside, 1, back, 4), HE_ERR_INDEX);
+    CHECK_MSG("row 1000 is outside");
+    he_row_file direct = f;
+    direct.direct = 1;
+    CHECK_ST(he_row_file_read(&direct, rows, 1, back, 4), HE_ERR_VALUE);
+    CHECK_MSG("multiples of 512");
+
+    he_row_file_inject_error(2, 5 /* EIO */);
+    CHECK_ST(he_row_file_write(&f, rows, N, out, 4), HE_ERR_SYSTEM);
+    CHECK_MSG("Input/output error");
+    CHECK_ST(he_row_file_read(&f, rows, N, back, 4), HE_OK); /* it fired once */
+
+    CHECK(ftruncate(fd, (off_t)(ROWS * row_bytes / 2)) == 0);
+    CHECK_ST(he_row_file_write(&f, rows, N, out, 4), HE_ERR_SYSTEM);
+    CHECK_MSG("truncated");
+    struct stat sb;
+    CHECK(fstat(fd, &sb) == 0 && sb.st_size == (off_t)(ROWS * row_bytes / 2)); /* not extended again */
+    CHECK(ftruncate(fd, (off_t)(ROWS * row_bytes)) == 0);
+    unlink(path);
+    CHECK_ST(he_row_file_read(&f, rows, N, back, 4), HE_ERR_SYSTEM);
+    CHECK_MSG("removed");
+    CHECK_ST(he_row_file_write(&f, rows, N, out, 4), HE_OK); /* its rows can still be written back */
+    close(fd);
+    free(out);
+    free(back);
+    group_end("row_file");
+}
+
 int main(void)
 {
     test_status();
@@ -3370,6 +3439,7 @@ int main(void)
     test_sparse_update_dtypes();
     test_cache_plan();
     test_cache_trains_bit_identically();
+    test_row_file();
     /* Joins the workers so that a leak check at exit sees a quiet process. */
     he_set_num_threads(1);
     printf("%d passed, %d failed\n", g_passed, g_failed);

@@ -81,6 +81,12 @@ class RowCache:
         # host memory.
         self.pending = torch.empty(0, dtype=torch.int64)
         self.moved = {"fetched_bytes": 0, "written_back_bytes": 0}
+        # The OSError of a failed move to or from a table's files (see
+        # _fail), or None.
+        self.failed = None
+        # Rows updated outside the cache whose write to the files failed:
+        # (host tensor, rows, values), written by flush().
+        self.unwritten = []
         # GPU records (GpuRowCache): an event after the last work on them
         # (_ordered), and the device of the gradient rows the last update of
         # records read (tests check that a GPU cache was updated from the
@@ -120,8 +126,43 @@ class RowCache:
 
     def _read_in(self, records, host):
         """Every live record's values read from its row of `host`."""
+        for slots in self._live_slot_chunks():
+            records[slots] = self._host_read(host, self.row_of_slot[slots])
+
+    def _live_slot_chunks(self):
+        """The live slots, a chunk at a time: moving them all at once would
+        copy every record (gigabytes under a memory budget) twice."""
         slots = self._live_slots()
-        records[slots] = host[self.row_of_slot[slots]]
+        return slots.split(_CHUNK_ROWS)
+
+    # ---- host memory, or a table's files (Embedding(storage=...))
+
+    def _host_read(self, host, rows):
+        """host[rows] (distinct rows): for a table on disk, read from its
+        file by the core's I/O threads rather than faulted in through the
+        mapping one page at a time."""
+        row_file = None if self.table.files is None else self.table.files.row_file_of(host)
+        return host[rows] if row_file is None else row_file.read(rows)
+
+    def _host_write(self, host, rows, values):
+        """host[rows] = values (distinct rows), written to the file of a
+        table on disk (the first write of a session marks its files as not
+        holding the whole table until a flush)."""
+        files = self.table.files
+        row_file = None if files is None else files.row_file_of(host)
+        if row_file is None:
+            host[rows] = values
+            return
+        if rows.numel():
+            files.set_clean(False)
+            row_file.write(rows, values)
+
+    def _check_usable(self):
+        if self.failed is not None:
+            raise RuntimeError(
+                f"hostembed: this table's files failed in an earlier step ({self.failed}); nothing was updated from "
+                "that step on. The rows of the last completed step are in the files and this cache: flush_cache() "
+                "writes the cache's once the cause is fixed; then open the table again, or save a checkpoint")
 
     def _record_bytes(self):
         return sum(t[:1].nbytes for t in self.cached.values())
@@ -187,32 +228,49 @@ class RowCache:
         """The plan of the batch with these unique rows, its evictions and
         fetches done (planned a step ahead, the flagged fetches wait for
         finish())."""
+        self._check_usable()
         self._sync()
         plan = self.planner.plan(unique)
         evict_slot = plan.evict_slot.long()
-        for key, host in self.host.items():
-            host[plan.evict_row] = self.cached[key][evict_slot]
-        self.moved["written_back_bytes"] += plan.evict_row.numel() * self._record_bytes()
-        self._seen()
-        self.row_of_slot[evict_slot] = -1
-        self._fetch(plan, ~plan.fetch_after_update)
-        if self.lookahead:
-            self.pending = plan.fetch_row[plan.fetch_after_update]
-        else:
-            self._fetch(plan, plan.fetch_after_update)
+        try:
+            # The evicted records stay theirs (row_of_slot) until every
+            # write is done: if one fails, flush() still has them.
+            for key, host in self.host.items():
+                self._host_write(host, plan.evict_row, self.cached[key][evict_slot])
+            self.moved["written_back_bytes"] += plan.evict_row.numel() * self._record_bytes()
+            self._seen()
+            self.row_of_slot[evict_slot] = -1
+            self._fetch(plan, ~plan.fetch_after_update)
+            if self.lookahead:
+                self.pending = plan.fetch_row[plan.fetch_after_update]
+            else:
+                self._fetch(plan, plan.fetch_after_update)
+        except OSError as exc:
+            self._fail(exc)
         return plan
+
+    def _fail(self, exc):
+        """A move to or from a table's files failed: the planner already
+        counts this batch, so the cache takes no more batches (flush still
+        writes what it holds)."""
+        self.failed = exc
+        raise exc
 
     @_ordered
     def finish(self, plan: CachePlan) -> None:
         """The fetches that waited for the previous batch's update."""
         if self.lookahead:
-            self._fetch(plan, plan.fetch_after_update)
+            self._check_usable()
+            try:
+                self._fetch(plan, plan.fetch_after_update)
+            except OSError as exc:
+                self._fail(exc)
             self.pending = self.pending[:0]
 
     def _fetch(self, plan, which):
         rows, slots = plan.fetch_row[which], plan.fetch_slot[which].long()
         for key, host in self.host.items():
-            self.cached[key][slots] = host[rows]
+            self.cached[key][slots] = self._host_read(host, rows)
         self.row_of_slot[slots] = rows
         self.moved["fetched_bytes"] += rows.numel() * self._record_bytes()
 
@@ -220,10 +278,14 @@ class RowCache:
     def rows(self, plan: CachePlan, unique: Tensor) -> Tensor:
         """The batch's rows, unique[k]'s in row k: from its slot, or from
         host memory for a row that bypassed the cache."""
+        self._check_usable()
         cached = plan.slot >= 0
         out = torch.empty(unique.numel(), self.table.dim, dtype=self.table.dtype)
         out[cached] = self.cached["weight"][plan.slot[cached].long()]
-        out[~cached] = self.table.tensor[unique[~cached]]
+        try:
+            out[~cached] = self._host_read(self.table.tensor, unique[~cached])
+        except OSError as exc:
+            self._fail(exc)
         return out
 
     @_ordered
@@ -239,6 +301,9 @@ class RowCache:
             # table's.
             raise NotImplementedError("hostembed: a table with a row cache takes compact optimizer state rounded "
                                       "to nearest only (state_rounding='nearest'), not stochastically")
+        self._check_usable()
+        if self.table.files is not None:
+            self.table.files.set_clean(False)  # the records will be newer than the files
         host_indices = indices.cpu()
         slots = self.planner.slots_of(host_indices).long()
         self._sync()
@@ -248,10 +313,58 @@ class RowCache:
         self.last_update_from = values.device
         values = values.cpu()
         cached = (slots >= 0) & ~torch.isin(host_indices, self.pending)
+        bypass_indices, bypass_values = host_indices[~cached], values[~cached]
+        staged = None
+        if self.table.files is not None and bypass_indices.numel():
+            try:  # read before anything is updated: a failed read changes nothing
+                staged = self._stage_from_files(state, bypass_indices)
+            except OSError as exc:
+                self._fail(exc)
         update_ops.update_rows(kind, self.records, {k: self._records_of(k, item) for k, item in state.items()},
                                slots[cached], values[cached], **hyper)
-        update_ops.update_rows(kind, self.table, state, host_indices[~cached], values[~cached], **hyper)
         self.dirty.update(("weight", *_tensors_of(state)))
+        if self.table.files is None:
+            update_ops.update_rows(kind, self.table, state, bypass_indices, bypass_values, **hyper)
+        elif staged is not None:
+            records, items, hosts, temporary, rows, inverse = staged
+            update_ops.update_rows(kind, records, items, inverse, bypass_values, **hyper)
+            # Until written, these rows' newest values are only here: a
+            # failed write leaves them for flush() (the step is complete).
+            self.unwritten = [(host, rows, temporary[key]) for key, host in hosts.items()]
+            try:
+                self._write_unwritten()
+            except OSError as exc:
+                self._fail(exc)
+
+    def _stage_from_files(self, state, indices):
+        """Rows of a table on disk that bypass the cache, read into records
+        of their own to be updated there as the cache's are (the same bits)
+        and written back: not through the files' mapping, whose page faults
+        move 4 KiB pages one at a time."""
+        rows, inverse = torch.unique(indices, return_inverse=True)
+        records = HostTable(rows.numel(), self.table.dim, dtype=self.table.dtype, first_touch=False)
+        records.tensor.copy_(self._host_read(self.table.tensor, rows))
+        hosts, temporary = {"weight": self.table.tensor}, {"weight": records.tensor}
+        for key, tensor in _tensors_of(state).items():
+            per_row = tensor.dim() == 1
+            temporary[key] = records.zeros(per_row=per_row, dtype=tensor.dtype,
+                                           width=None if per_row else tensor.shape[1])
+            temporary[key].copy_(self._host_read(tensor, rows))
+            hosts[key] = tensor
+        items = {}
+        for key, item in state.items():
+            if isinstance(item, Tensor):
+                items[key] = temporary[key]
+            else:
+                _, scale, stochastic = item
+                items[key] = (temporary[key], None if scale is None else temporary[_scale_key(key)], stochastic)
+        return records, items, hosts, temporary, rows, inverse.view(-1)
+
+    def _write_unwritten(self):
+        while self.unwritten:
+            host, rows, values = self.unwritten[0]
+            self._host_write(host, rows, values)
+            self.unwritten.pop(0)
 
     def _records_of(self, key, item):
         """The records standing for state `item` (update_ops' form: a
@@ -266,13 +379,19 @@ class RowCache:
         """The records of `keys` (all by default) written back to their
         rows; they stay cached."""
         self._sync()
-        slots = self._live_slots()
+        self._write_unwritten()
         for key in self.host if keys is None else keys:
             if key in self.dirty:
-                self.host[key][self.row_of_slot[slots]] = self.cached[key][slots]
-                self.moved["written_back_bytes"] += slots.numel() * self.cached[key][:1].nbytes
+                for slots in self._live_slot_chunks():
+                    self._host_write(self.host[key], self.row_of_slot[slots], self.cached[key][slots])
+                    self.moved["written_back_bytes"] += slots.numel() * self.cached[key][:1].nbytes
                 self.dirty.discard(key)
         self._seen()
+        if self.table.files is not None and not self.dirty and keys is None:
+            self.table.files.set_clean(True)
+
+
+_CHUNK_ROWS = 1 << 16
 
 
 def _scale_key(key):

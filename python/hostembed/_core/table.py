@@ -265,6 +265,9 @@ class HostTable:
         # and what the last lookup that found one did with it.
         self.prefetch = None
         self.prefetch_outcome = None
+        # The files of a table kept on disk (table_files.TableFiles;
+        # Embedding(storage=...)), or None for a table in memory.
+        self.files = None
         # The table's row cache (_cache.RowCache; Embedding(cache_rows=N)),
         # or None, and the batch prefetch() planned for it (nn/lookup/cached.py).
         self.cache = None
@@ -316,6 +319,12 @@ class HostTable:
     def _new_buffer(self, *, first_touch=False, per_row=False, dtype=None, width=None):
         width = 1 if per_row else self.dim if width is None else width
         dtype = self.dtype if dtype is None else dtype
+        if self.files is not None:  # a table on disk: its state too (table_files.py)
+            tensor = self.files.new_state(width, dtype, per_row)
+            row_file = self.files.row_file_of(tensor)
+            if row_file is not None:
+                self._buffers[row_file.buffer().address] = row_file.buffer()
+            return None, tensor
         buf = allocate(self.num_rows, width, dtype=dtype, first_touch=first_touch)
         if buf.nbytes:
             self._buffers[buf.address] = buf
@@ -343,6 +352,10 @@ class HostTable:
         old memory goes after the copy. Returns the new tensor; the caller
         points the weight at it. Optimizer state made before stays in the
         old compute dtype (an optimizer step then says so)."""
+        if self.files is not None:
+            raise RuntimeError(f"hostembed: this table's rows are kept in {self.files.path}, as "
+                               f"{dtype_name(self.dtype)}; a cast would need a new table. Convert a checkpoint of it "
+                               f"into a table of dtype={dtype} instead")
         if self.update_rows is not None:
             raise RuntimeError(f"hostembed: this table's rows are one copy that several processes share "
                                f"(hostembed.distributed), all of them reading its {dtype_name(self.dtype)} rows; a "
@@ -417,6 +430,8 @@ class HostTable:
         ids written (a tensor, repeats allowed), None for any. An
         outstanding prefetch re-reads them, or is dropped (None); None also
         makes the row cache re-read its records."""
+        if self.files is not None:
+            self.files.set_clean(False)  # until a flush: a load stopped halfway must not open
         if rows is None and self.cache is not None:
             self.cache.mark_stale()
         prefetch = self.prefetch

@@ -57,11 +57,32 @@ class Embedding(HostTableModule, nn.Embedding):
     float32 table the records are in GPU memory and SparseAdam updates
     them there; otherwise (or after the first step of another optimizer)
     they are in host memory, which saves nothing.
+
+    ``storage`` (keyword-only, a directory): keep the table, and the state
+    of the optimizer that trains it, in files there, with only its hot rows
+    in RAM: a row cache of ``ram_budget`` bytes (an int, or a string such as
+    ``"8GiB"``; counted for a row and two rows of optimizer state, as
+    SparseAdam's) or of ``cache_rows`` rows. Misses are read and evictions
+    written by the core's threads with many requests in flight, around the
+    page cache where rows are whole 512-byte sectors. Training gives the
+    same bits as the table in memory. A directory that holds a table opens
+    it (shape and dtype must match; nothing is read until looked up); an
+    empty or new one gets a new table, initialised as torch's. The files
+    hold every row only after ``flush_cache()`` (reading ``weight``,
+    ``state_dict()``, ``hostembed.save`` flush too): a table whose process
+    stopped with rows not written back refuses to open, so call
+    ``flush_cache()`` before the end. The optimizer's state lives as long as
+    the optimizer (files removed with it); a checkpoint (``hostembed.save``)
+    keeps state and step. A failed read or write (a full disk, an I/O
+    error, a file cut short or removed) raises OSError naming the file and
+    row, and the table takes no more steps: what the last completed step
+    left is in the files and the cache, and ``flush_cache()`` writes it.
+    Records stay in host memory with GPU outputs.
     """
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, max_norm=None, norm_type=2.0,
                  scale_grad_by_freq=False, sparse=True, _weight=None, _freeze=False, device=None, dtype=None, *,
-                 cache_rows=None):
+                 cache_rows=None, storage=None, ram_budget=None):
         # nn.Module's, not nn.Embedding's: that one would allocate a table.
         nn.Module.__init__(self)
         self.padding_idx = padding_index(padding_idx, num_embeddings)
@@ -69,7 +90,8 @@ class Embedding(HostTableModule, nn.Embedding):
         self.norm_type = norm_type
         self.scale_grad_by_freq = scale_grad_by_freq
         _check_cache_rows(cache_rows, max_norm)
-        self._init_table(num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype, cache_rows)
+        self._init_table(num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype, cache_rows,
+                         storage, ram_budget)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         out = _lookup_cpu.small_lookup(self, input)
@@ -140,6 +162,9 @@ class Embedding(HostTableModule, nn.Embedding):
     @cache_rows.setter
     def cache_rows(self, value):
         _check_cache_rows(value, self.max_norm)
+        if value is None and self._table.files is not None:
+            raise ValueError(f"hostembed.Embedding: a table kept on disk ({self._table.files.path}) reads and writes "
+                             "its rows through its row cache; give it a number of rows, not None")
         if value is not None and self._table.stochastic_rounding:
             raise ValueError("hostembed.Embedding: a row cache cannot repeat stochastic rounding bit for bit; "
                              "switch stochastic_rounding off first")
@@ -152,7 +177,8 @@ class Embedding(HostTableModule, nn.Embedding):
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, max_norm=None, norm_type=2.0,
-                        scale_grad_by_freq=False, sparse=True, *, key=None, progress=None, cache_rows=None):
+                        scale_grad_by_freq=False, sparse=True, *, key=None, progress=None, cache_rows=None,
+                        storage=None, ram_budget=None):
         """A new host table holding the rows of `embeddings` (torch's signature, plus file loading).
 
         embeddings: a 2-D tensor, or a path (str or os.PathLike) to a file:
@@ -165,7 +191,10 @@ class Embedding(HostTableModule, nn.Embedding):
         Rows stream into the table in bounded chunks, so loading needs the
         table's memory plus a few chunks, never the file's size again.
         progress: show a tqdm bar (None: for files of 1 GiB and more, on a
-        terminal). cache_rows: as the constructor's.
+        terminal). cache_rows, storage, ram_budget: as the constructor's;
+        with storage, the rows stream into the table's new files (a
+        directory that already holds a table is refused), so a table larger
+        than RAM is made from a file in bounded memory.
         """
         source = pretrained_source(embeddings, key)
         rows, cols = source.shape
@@ -173,8 +202,11 @@ class Embedding(HostTableModule, nn.Embedding):
         emb = cls(num_embeddings=rows, embedding_dim=cols, _weight=UNINITIALISED, _freeze=freeze,
                   dtype=source.dtype,
                   padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
-                  scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, cache_rows=cache_rows)
+                  scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, cache_rows=cache_rows, storage=storage,
+                  ram_budget=ram_budget)
         emb._fill_from(source, progress)
+        if storage is not None:
+            emb.flush_cache()  # the files hold every row: the table opens again
         return emb
 
 

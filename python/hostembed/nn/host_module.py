@@ -12,7 +12,8 @@ from .._cache.gpu_cache import GpuRowCache
 from .._cache.row_cache import RowCache
 from .._core.cuda import require_cuda, resolve_device, unavailable_reason
 from .._core.ops.common import CUDA_COMPILED
-from .._core.table import HostTable, check_table_dtype, dtype_name
+from .._core.table import HostTable, check_table_dtype, compute_dtype, dtype_name
+from .._core.table_files import TableFiles
 from ..io import validate as _validate
 from ..io.files import FileRows, open_table
 from ..io.stream import copy_rows, read_rows
@@ -50,11 +51,55 @@ def pretrained_source(embeddings, key):
     )
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_bytes(value, what):
+    """An int of bytes from an int or a string such as "8GiB" / "512 MB"."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        digits = text.rstrip("KMGTIB")
+        unit = text[len(digits):]
+        try:
+            number = int(float(digits) * _UNITS[unit])
+        except (ValueError, KeyError):
+            raise ValueError(f"{what} must be bytes: an int, or a string such as '8GiB' or '512MB'; got "
+                             f"{value!r}") from None
+    else:
+        raise TypeError(f"{what} must be an int or a string such as '8GiB', got {type(value).__name__}")
+    if number <= 0:
+        raise ValueError(f"{what} must be positive, got {value!r}")
+    return number
+
+
+def storage_cache_rows(name, num_rows, dim, dtype, cache_rows, ram_budget):
+    """The row cache of a table on disk: cache_rows if given, else the
+    records that ram_budget holds, counting a row's weight and two rows of
+    optimizer state (SparseAdam's; less state leaves part of the budget
+    unused)."""
+    if (cache_rows is None) == (ram_budget is None):
+        raise ValueError(f"{name}(storage=...): give the RAM for its hot rows, as ram_budget= (bytes, or a string "
+                         "such as '8GiB') or as cache_rows= (rows), one of the two")
+    if cache_rows is not None:
+        return min(cache_rows, max(num_rows, 1))
+    budget = parse_bytes(ram_budget, f"{name}: ram_budget")
+    record = dim * (dtype.itemsize + 2 * compute_dtype(dtype).itemsize)
+    rows = budget // max(record, 1)
+    if rows < 1:
+        raise ValueError(f"{name}: ram_budget={ram_budget!r} holds no row: a row and its optimizer state take "
+                         f"{record} bytes")
+    return min(rows, max(num_rows, 1))
+
+
 class HostTableModule:
     """Mixin before nn.Embedding / nn.EmbeddingBag in the bases: every
     method that touches the weight goes to the host table."""
 
-    def _init_table(self, num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype, cache_rows=None):
+    def _init_table(self, num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype, cache_rows=None,
+                    storage=None, ram_budget=None):
         name = self._get_name()
         # torch's: the default dtype when none is given.
         dtype = torch.get_default_dtype() if dtype is None else dtype
@@ -81,16 +126,32 @@ class HostTableModule:
         if self._output_device.type == "cuda":
             require_cuda(f"{name}(device={str(self._output_device)!r})")
 
-        self._table = HostTable(num_embeddings, embedding_dim, dtype=dtype, first_touch=True)
+        files = None
+        if storage is not None:
+            cache_rows = storage_cache_rows(name, num_embeddings, embedding_dim, dtype, cache_rows, ram_budget)
+            files = TableFiles(storage, num_embeddings, embedding_dim, dtype)
+            if not files.created and _weight is not None:  # from_pretrained's UNINITIALISED too
+                raise ValueError(f"{name}: {files.path} already holds a table; its rows are the module's "
+                                 "(give a new directory to start from other values)")
+            weight_map = files.weight_tensor()  # noqa: F841 (the file lives while the table's buffer does)
+            self._table = HostTable(num_embeddings, embedding_dim, dtype=dtype, rows_buffer=files.weight.buffer())
+            self._table.files = files
+        elif ram_budget is not None:
+            raise ValueError(f"{name}: ram_budget= limits the RAM of a table kept on disk; give storage= too")
+        else:
+            self._table = HostTable(num_embeddings, embedding_dim, dtype=dtype, first_touch=True)
         self.weight = nn.Parameter(self._table.tensor, requires_grad=not _freeze)
         self._table.bind(self.weight)
         # "gpu" or "cpu": which path the last forward took (tests assert the
         # GPU kernels ran, not the CPU fallback).
         self._last_lookup_path = None
-        if _weight is None:
-            self.reset_parameters()  # torch's: the same draws as torch for the same seed
-        elif _weight is not UNINITIALISED:
-            copy_rows(self.weight.data, _weight)
+        if files is None or files.created:
+            if _weight is None:
+                self.reset_parameters()  # torch's: the same draws as torch for the same seed
+            elif _weight is not UNINITIALISED:
+                copy_rows(self.weight.data, _weight)
+        if files is not None and _weight is not UNINITIALISED:  # from_pretrained's rows: once filled
+            files.set_clean(True)
         self._cache_rows = cache_rows
         self._make_cache()
 
@@ -109,9 +170,13 @@ class HostTableModule:
 
     def _cache_device(self):
         """Where the cache's records live: on the GPU the outputs go to, for
-        float32 tables with the CUDA kernels built; else in host memory."""
+        float32 tables with the CUDA kernels built; else in host memory.
+        A table on disk keeps them in host memory: a GPU cache reads its
+        misses over a pinned mapping of the rows, and pinning a file's
+        mapping would hold the whole file in RAM."""
         device = self._output_device
-        if device.type == "cuda" and CUDA_COMPILED and self._table.dtype == torch.float32:
+        if device.type == "cuda" and CUDA_COMPILED and self._table.dtype == torch.float32 \
+                and self._table.files is None:
             return resolve_device(device)
         return torch.device("cpu")
 
@@ -269,6 +334,7 @@ class HostTableModule:
         # A copy gets its own host table with the same rows (a plain
         # deepcopy would clone the weight into an ordinary tensor and copy
         # the table's memory objects, which cannot be copied).
+        self._refuse_copy_of_files("copied (copy.deepcopy)")
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         weight = self._parameters["weight"]
@@ -288,10 +354,18 @@ class HostTableModule:
         new._make_cache()
         return new
 
+    def _refuse_copy_of_files(self, what):
+        files = self._table.files
+        if files is not None:
+            raise RuntimeError(f"{self._get_name()}: a table kept on disk ({files.path}) is not {what}: the copy "
+                               "would be a table in memory as large as the files. Call flush_cache() and open the "
+                               "directory again in another module, or save a checkpoint (hostembed.save)")
+
     def __getstate__(self):
         # Pickling (torch.save(model), spawn-started workers): the weight
         # goes as a tensor, the table's memory objects do not; unpickling
         # builds a new table from it.
+        self._refuse_copy_of_files("pickled (torch.save(model), spawned workers)")
         self._table.wait_for_gpu_use()
         self._flush_weight()
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()

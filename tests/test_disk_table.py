@@ -1,0 +1,279 @@
+"""Tables kept on disk (Embedding(storage=...)): training gives the bits of
+the same table in memory at every cache size, optimizer and dtype; a table
+reopens with its rows; full disks, I/O errors, files cut short or removed
+raise OSError and lose nothing the last completed step wrote."""
+import copy
+import errno
+import gc
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hostembed
+from conftest import zipf_ids
+from hostembed._core import _C
+
+ROWS = 300
+
+OPTIMIZERS = {
+    "sparse_adam": lambda p: hostembed.SparseAdam(p, lr=0.01),
+    "sparse_adam_int8": lambda p: hostembed.SparseAdam(p, lr=0.01, state_dtype=torch.int8),
+    "rowwise_adagrad": lambda p: hostembed.RowWiseAdagrad(p, lr=0.05),
+    "adagrad": lambda p: hostembed.Adagrad(p, lr=0.05),
+    "sgd": lambda p: hostembed.SGD(p, lr=0.1),
+}
+
+
+@pytest.fixture(autouse=True)
+def no_injected_errors():
+    yield
+    _C.inject_io_error(0, 0)
+
+
+def build(dim=128, dtype=torch.float32, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return hostembed.Embedding(ROWS, dim, dtype=dtype, **kwargs)
+
+
+def train(emb, opt, steps, seed=1, count=128):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = zipf_ids(ROWS, count, generator=gen)
+        loss = (emb(ids).float() - 0.5).pow(2).sum() / count
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def state_tensors(opt):
+    return {k: v for k, v in opt.state_dict()["state"].get(0, {}).items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("cache_rows", [4, 60, ROWS])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_training_on_disk_gives_the_bits_of_the_table_in_memory(tmp_path, optimizer, cache_rows):
+    memory = build()
+    memory_opt = OPTIMIZERS[optimizer](memory.parameters())
+    disk = build(storage=tmp_path / "t", cache_rows=cache_rows)
+    disk_opt = OPTIMIZERS[optimizer](disk.parameters())
+    train(memory, memory_opt, 12)
+    train(disk, disk_opt, 12)
+    stats = disk.cache_stats
+    assert stats["fetches"] > 0
+    if cache_rows == 4:
+        assert stats["bypassed"] > 0  # rows updated through the files, not the cache
+    assert torch.equal(disk.weight, memory.weight)
+    expected = state_tensors(memory_opt)
+    got = state_tensors(disk_opt)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+
+
+@pytest.mark.parametrize("dim,dtype", [(40, torch.float32), (64, torch.bfloat16)])
+def test_rows_that_are_not_whole_sectors_train_the_same(tmp_path, dim, dtype):
+    # 160 and 128 bytes a row: read and written through the page cache.
+    memory = build(dim, dtype)
+    memory_opt = hostembed.SparseAdam(memory.parameters(), lr=0.01)
+    disk = build(dim, dtype, storage=tmp_path / "t", cache_rows=30)
+    disk_opt = hostembed.SparseAdam(disk.parameters(), lr=0.01)
+    train(memory, memory_opt, 10)
+    train(disk, disk_opt, 10)
+    assert torch.equal(disk.weight, memory.weight)
+
+
+def test_cpu_outputs_and_a_checkpoint_round_trip(tmp_path):
+    disk = build(storage=tmp_path / "t", cache_rows=50)
+    opt = hostembed.SparseAdam(disk.parameters(), lr=0.01)
+    train(disk, opt, 5)
+    hostembed.save(tmp_path / "ckpt", disk, opt)
+    memory = build(seed=7)
+    memory_opt = hostembed.SparseAdam(memory.parameters(), lr=0.01)
+    hostembed.load(tmp_path / "ckpt", memory, memory_opt)
+    assert torch.equal(memory.weight, disk.weight)
+    train(memory, memory_opt, 4, seed=2)
+    train(disk, opt, 4, seed=2)
+    assert torch.equal(memory.weight, disk.weight)
+
+
+def test_a_flushed_table_reopens_with_its_rows_without_reading_them(tmp_path):
+    disk = build(storage=tmp_path / "t", cache_rows=50)
+    opt = hostembed.SparseAdam(disk.parameters(), lr=0.01)
+    train(disk, opt, 5)
+    disk.flush_cache()
+    expected = disk.weight.detach().clone()
+    del disk, opt
+    gc.collect()
+    assert not [n for n in os.listdir(tmp_path / "t") if n.startswith("state-")]  # went with the optimizer
+    torch.manual_seed(123)  # an open draws nothing
+    again = hostembed.Embedding(ROWS, 128, storage=tmp_path / "t", ram_budget="64KiB")
+    assert again.cache_rows == (64 << 10) // (128 * 12)
+    assert torch.equal(again.weight, expected)
+
+
+def test_a_table_not_flushed_refuses_to_open(tmp_path):
+    disk = build(storage=tmp_path / "t", cache_rows=50)
+    opt = hostembed.SparseAdam(disk.parameters(), lr=0.01)
+    train(disk, opt, 3)  # records newer than the files
+    with pytest.raises(RuntimeError, match="not closed cleanly"):
+        hostembed.Embedding(ROWS, 128, storage=tmp_path / "t", cache_rows=10)
+
+
+def test_opening_checks_shape_dtype_and_arguments(tmp_path):
+    build(storage=tmp_path / "t", cache_rows=10).flush_cache()
+    with pytest.raises(ValueError, match=r"is \[300, 128\] float32; the module asks for \[300, 64\] float32"):
+        hostembed.Embedding(ROWS, 64, storage=tmp_path / "t", cache_rows=10)
+    with pytest.raises(ValueError, match="already holds a table"):
+        hostembed.Embedding(ROWS, 128, _weight=torch.zeros(ROWS, 128), storage=tmp_path / "t", cache_rows=10)
+    with pytest.raises(ValueError, match="one of the two"):
+        hostembed.Embedding(ROWS, 128, storage=tmp_path / "u")
+    with pytest.raises(ValueError, match="must be bytes"):
+        hostembed.Embedding(ROWS, 128, storage=tmp_path / "u", ram_budget="lots")
+    with pytest.raises(ValueError, match="give storage= too"):
+        hostembed.Embedding(ROWS, 128, ram_budget="1GiB")
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / "table.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot be read as a table"):
+        hostembed.Embedding(ROWS, 128, storage=tmp_path / "v", cache_rows=10)
+
+
+def _trained_pair(tmp_path, steps):
+    memory = build()
+    memory_opt = hostembed.SparseAdam(memory.parameters(), lr=0.01)
+    disk = build(storage=tmp_path / "t", cache_rows=40)
+    disk_opt = hostembed.SparseAdam(disk.parameters(), lr=0.01)
+    train(memory, memory_opt, steps)
+    train(disk, disk_opt, steps)
+    return memory, disk, disk_opt
+
+
+@pytest.mark.parametrize("error", [errno.EIO, errno.ENOSPC])
+def test_a_failed_read_or_write_loses_nothing_of_the_last_completed_step(tmp_path, error):
+    memory, disk, disk_opt = _trained_pair(tmp_path, 6)
+    _C.inject_io_error(0, error)
+    with pytest.raises(OSError, match=os.strerror(error)):
+        train(disk, disk_opt, 1, seed=9)
+    with pytest.raises(RuntimeError, match="failed in an earlier step"):
+        train(disk, disk_opt, 1, seed=9)
+    disk.flush_cache()  # what the cache holds, written once the cause is gone
+    del disk, disk_opt
+    again = hostembed.Embedding(ROWS, 128, storage=tmp_path / "t", cache_rows=10)
+    assert torch.equal(again.weight, memory.weight)
+
+
+def test_a_failed_flush_leaves_the_table_unclean_until_one_succeeds(tmp_path):
+    memory, disk, _ = _trained_pair(tmp_path, 4)
+    _C.inject_io_error(0, errno.ENOSPC)
+    with pytest.raises(OSError, match="No space left"):
+        disk.flush_cache()
+    with pytest.raises(RuntimeError, match="not closed cleanly"):
+        hostembed.Embedding(ROWS, 128, storage=tmp_path / "t", cache_rows=10)
+    disk.flush_cache()
+    assert torch.equal(hostembed.Embedding(ROWS, 128, storage=tmp_path / "t", cache_rows=10).weight, memory.weight)
+
+
+@pytest.mark.parametrize("fault", ["truncated", "removed"])
+def test_a_file_cut_short_or_removed_under_the_table_raises_not_zero_rows(tmp_path, fault):
+    _, disk, disk_opt = _trained_pair(tmp_path, 3)
+    path = tmp_path / "t" / "weight.bin"
+    if fault == "truncated":
+        os.truncate(path, 1024)
+    else:
+        os.unlink(path)
+    with pytest.raises(OSError, match=fault):
+        train(disk, disk_opt, 2, seed=5)
+    if fault == "removed":  # its rows live while it is open: they can still be saved
+        hostembed.save(tmp_path / "ckpt", disk)
+        memory = build(seed=4)
+        hostembed.load(tmp_path / "ckpt", memory)
+        assert torch.equal(memory.weight, disk.weight)
+        assert memory.weight.abs().min() > 0  # the rows trained, not zeros
+
+
+def test_a_disk_too_small_for_the_table_is_an_error_at_creation(tmp_path):
+    # RLIMIT_FSIZE stands for a full disk: files may not grow past 1 MiB.
+    code = f"""
+import resource, signal, torch, hostembed
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    hostembed.Embedding(100_000, 128, storage={str(tmp_path / 't')!r}, cache_rows=10)
+except OSError as exc:
+    print('refused:', exc)
+hostembed.Embedding(2_000, 128, storage={str(tmp_path / 'u')!r}, cache_rows=10)  # 1 MiB: fits
+print('made')
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "refused: [Errno 27] hostembed: cannot reserve 51200000 bytes" in done.stdout
+    assert "made" in done.stdout
+    assert not os.path.exists(tmp_path / "t" / "weight.bin")  # nothing half made is left
+
+
+def test_casts_copies_and_dropping_the_cache_of_a_table_on_disk_are_refused(tmp_path):
+    disk = build(storage=tmp_path / "t", cache_rows=10)
+    with pytest.raises(RuntimeError, match="kept in"):
+        disk.half()
+    with pytest.raises(RuntimeError, match="is not copied"):
+        copy.deepcopy(disk)
+    with pytest.raises(RuntimeError, match="is not pickled"):
+        pickle.dumps(disk)
+    with pytest.raises(ValueError, match="through its row cache"):
+        disk.cache_rows = None
+    disk.cache_rows = 20  # another size is fine: the cache is written back and made anew
+    assert disk.cache_rows == 20
+    assert torch.equal(disk.weight, build().weight)
+
+
+@pytest.mark.gpu
+def test_gpu_outputs_of_a_table_on_disk_give_the_bits_of_cpu_outputs(tmp_path):
+    if not hostembed.cuda_available():
+        pytest.skip("needs CUDA")
+    memory = build()
+    memory_opt = hostembed.SparseAdam(memory.parameters(), lr=0.01)
+    disk = build(storage=tmp_path / "t", cache_rows=40, device="cuda")
+    disk_opt = hostembed.SparseAdam(disk.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        ids = zipf_ids(ROWS, 128, generator=gen)
+        for emb, opt in ((memory, memory_opt), (disk, disk_opt)):
+            out = emb(ids.to("cuda") if emb is disk else ids)
+            assert out.device.type == ("cuda" if emb is disk else "cpu")
+            opt.zero_grad()
+            ((out.float() - 0.5).pow(2).sum() / 128).backward()
+            opt.step()
+    assert disk.cache_stats["fetches"] > 0
+    assert torch.equal(disk.weight, memory.weight)
+
+
+def test_rows_from_a_file_and_a_checkpoint_become_a_table_on_disk(tmp_path):
+    rows = torch.randn(ROWS, 128, generator=torch.Generator().manual_seed(3))
+    torch.save({"weight": rows}, tmp_path / "rows.pt")
+    disk = hostembed.Embedding.from_pretrained(tmp_path / "rows.pt", freeze=False, storage=tmp_path / "t",
+                                               cache_rows=40)
+    assert torch.equal(disk.weight, rows)
+    del disk
+    gc.collect()
+    assert torch.equal(hostembed.Embedding(ROWS, 128, storage=tmp_path / "t", cache_rows=5).weight, rows)
+
+    # A checkpoint of a table in memory, loaded into a new table on disk:
+    # training goes on with the same bits.
+    memory = build()
+    memory_opt = hostembed.SparseAdam(memory.parameters(), lr=0.01)
+    train(memory, memory_opt, 5)
+    hostembed.save(tmp_path / "ckpt", memory, memory_opt)
+    disk = build(seed=9, storage=tmp_path / "u", cache_rows=40)
+    disk_opt = hostembed.SparseAdam(disk.parameters(), lr=0.01)
+    train(disk, disk_opt, 2, seed=4)  # records in the cache that the load supersedes
+    hostembed.load(tmp_path / "ckpt", disk, disk_opt)
+    with pytest.raises(RuntimeError, match="not closed cleanly"):  # loaded, not yet flushed
+        hostembed.Embedding(ROWS, 128, storage=tmp_path / "u", cache_rows=5)
+    train(memory, memory_opt, 5, seed=2)
+    train(disk, disk_opt, 5, seed=2)
+    assert torch.equal(disk.weight, memory.weight)
+    for key, value in state_tensors(memory_opt).items():
+        assert torch.equal(state_tensors(disk_opt)[key], value), key
