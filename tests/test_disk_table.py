@@ -121,6 +121,39 @@ def test_a_table_not_flushed_refuses_to_open(tmp_path):
     train(disk, opt, 3)  # records newer than the files
     with pytest.raises(RuntimeError, match="not closed cleanly"):
         hostembed.Embedding(ROWS, 128, storage=tmp_path / "t", cache_rows=10)
+    train(disk, opt, 2, seed=3)
+    memory = build()
+    memory_opt = hostembed.SparseAdam(memory.parameters(), lr=0.01)
+    train(memory, memory_opt, 3)
+    train(memory, memory_opt, 2, seed=3)
+    del disk, opt  # the module's end writes its cache back
+    gc.collect()
+    assert torch.equal(hostembed.Embedding(ROWS, 128, storage=tmp_path / "t", cache_rows=10).weight, memory.weight)
+
+
+def test_a_script_that_ends_without_flushing_leaves_a_table_that_opens(tmp_path):
+    code = f"""
+import torch, hostembed
+from conftest import zipf_ids
+torch.manual_seed(0)
+memory = hostembed.Embedding(300, 128)
+torch.manual_seed(0)
+disk = hostembed.Embedding(300, 128, storage={str(tmp_path / 't')!r}, cache_rows=40)
+for emb in (memory, disk):
+    opt = hostembed.SparseAdam(emb.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        opt.zero_grad()
+        emb(zipf_ids(300, 128, generator=gen)).pow(2).sum().backward()
+        opt.step()
+torch.save(memory.weight.detach().clone(), {str(tmp_path / 'expected.pt')!r})
+assert disk._table.cache.dirty  # nothing written back before the end
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__)] + sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    expected = torch.load(tmp_path / "expected.pt")
+    assert torch.equal(hostembed.Embedding(ROWS, 128, storage=tmp_path / "t", cache_rows=10).weight, expected)
 
 
 def test_opening_checks_shape_dtype_and_arguments(tmp_path):
@@ -186,6 +219,8 @@ def test_a_file_cut_short_or_removed_under_the_table_raises_not_zero_rows(tmp_pa
         os.unlink(path)
     with pytest.raises(OSError, match=fault):
         train(disk, disk_opt, 2, seed=5)
+    if fault == "truncated":  # long enough again for the write-back at the module's end
+        os.truncate(path, ROWS * 128 * 4)
     if fault == "removed":  # its rows live while it is open: they can still be saved
         hostembed.save(tmp_path / "ckpt", disk)
         memory = build(seed=4)

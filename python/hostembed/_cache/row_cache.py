@@ -2,6 +2,8 @@
 of a cache (records), moved as the planner (_core/ops/cache_plan.py) says;
 and the optimizers' hooks into the caches of their tables."""
 import functools
+import warnings
+import weakref
 
 import torch
 from torch import Tensor
@@ -418,6 +420,26 @@ def _cached_tables(optimizer):
             table = table_of(p)
             if table is not None and table.cache is not None:
                 yield table
+
+
+def flush_when_done(module, table) -> None:
+    """A table kept on disk is written back when its module goes, or at
+    the interpreter's exit if it is still alive then: a script that ends
+    without flush_cache() leaves a table that opens again. The finalizer
+    holds the table (not the module) until it runs."""
+    weakref.finalize(module, _flush_at_end, table)
+
+
+def _flush_at_end(table):
+    cache = table.cache
+    if cache is None or table.files is None:
+        return
+    try:
+        with table.lock:
+            cache.flush()
+    except Exception as exc:  # a finalizer cannot raise to anyone
+        warnings.warn(f"hostembed: writing back the table in {table.files.path} at its end failed ({exc}); "
+                      "it will not open again: restore it from a checkpoint", RuntimeWarning)
 
 
 def flush_optimizer_tables(optimizer) -> None:

@@ -68,10 +68,10 @@ class Embedding(HostTableModule, nn.Embedding):
     same bits as the table in memory. A directory that holds a table opens
     it (shape and dtype must match; nothing is read until looked up); an
     empty or new one gets a new table, initialised as torch's. The files
-    hold every row only after ``flush_cache()`` (reading ``weight``,
-    ``state_dict()``, ``hostembed.save`` flush too): a table whose process
-    stopped with rows not written back refuses to open, so call
-    ``flush_cache()`` before the end. The optimizer's state lives as long as
+    hold every row only after a flush (``flush_cache()``; reading
+    ``weight``, ``state_dict()``, ``hostembed.save``, and the module's end,
+    at garbage collection or the interpreter's exit): a table whose process
+    died with rows not written back refuses to open. The optimizer's state lives as long as
     the optimizer (files removed with it); a checkpoint (``hostembed.save``)
     keeps state and step. A failed read or write (a full disk, an I/O
     error, a file cut short or removed) raises OSError naming the file and

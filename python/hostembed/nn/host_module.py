@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .._cache.gpu_cache import GpuRowCache
-from .._cache.row_cache import RowCache
+from .._cache.row_cache import RowCache, flush_when_done
 from .._core.cuda import require_cuda, resolve_device, unavailable_reason
 from .._core.ops.common import CUDA_COMPILED
 from .._core.table import HostTable, check_table_dtype, compute_dtype, dtype_name
@@ -150,8 +150,10 @@ class HostTableModule:
                 self.reset_parameters()  # torch's: the same draws as torch for the same seed
             elif _weight is not UNINITIALISED:
                 copy_rows(self.weight.data, _weight)
-        if files is not None and _weight is not UNINITIALISED:  # from_pretrained's rows: once filled
-            files.set_clean(True)
+        if files is not None:
+            flush_when_done(self, self._table)
+            if _weight is not UNINITIALISED:  # from_pretrained's rows: once filled
+                files.set_clean(True)
         self._cache_rows = cache_rows
         self._make_cache()
 
