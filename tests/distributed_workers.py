@@ -58,6 +58,29 @@ def train(rank, world, optimizer, fused):
     return {"range": emb.row_range, "weight": emb.shard.weight.detach().clone(), "state": state}
 
 
+def train_on_disk(rank, world, optimizer, fused, directory):
+    """train's steps with each rank's shard kept on disk under `directory`
+    (a row cache of 40 rows), flushed at the end."""
+    emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False, storage=directory, cache_rows=40)
+    cls, hyper = OPTIMIZERS[optimizer]
+    opt = cls(emb.parameters(), fused=fused, **hyper)
+    for step in range(STEPS):
+        ids, target = batch(step, rank)
+        (emb(ids) - target).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    emb.shard.flush_cache()
+    state = {key: torch.as_tensor(value).clone() for key, value in opt.state[emb.shard.weight].items()
+             if torch.is_tensor(value) and value.dim() > 0}
+    return {"range": emb.row_range, "weight": emb.shard.weight.detach().clone(), "state": state,
+            "fetches": emb.shard.cache_stats["fetches"]}
+
+
+def reopen_on_disk(rank, world, directory):
+    emb = hd.ShardedEmbedding(ROWS, DIM, storage=directory, cache_rows=10)
+    return {"range": emb.row_range, "weight": emb.shard.weight.detach().clone()}
+
+
 def bags(step, rank):
     """Rank `rank`'s bags at `step`: (2-D ids, mean) or (1-D ids with
     offsets, include_last_offset, per-sample weights, sum), the ids
@@ -449,7 +472,8 @@ JOBS = {"train": train, "out_of_range": out_of_range, "mismatched": mismatched, 
         "train_shared": train_shared, "shared_refusals": shared_refusals, "train_bags": train_bags,
         "train_host_sharded": train_host_sharded, "uneven_hosts": uneven_hosts,
         "shared_memory": shared_memory, "on_device": on_device, "moves_and_casts": moves_and_casts,
-        "from_single_process": from_single_process, "shared_out_of_range": shared_out_of_range}
+        "from_single_process": from_single_process, "shared_out_of_range": shared_out_of_range,
+        "train_on_disk": train_on_disk, "reopen_on_disk": reopen_on_disk}
 
 
 def worker(rank, world, outdir, job, args):

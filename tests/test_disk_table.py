@@ -312,3 +312,61 @@ def test_rows_from_a_file_and_a_checkpoint_become_a_table_on_disk(tmp_path):
     assert torch.equal(disk.weight, memory.weight)
     for key, value in state_tensors(memory_opt).items():
         assert torch.equal(state_tensors(disk_opt)[key], value), key
+
+
+@pytest.mark.parametrize("mode,weighted,freq", [("sum", False, False), ("mean", False, False), ("max", False, False),
+                                              ("sum", True, False), ("mean", False, True)])
+@pytest.mark.parametrize("cache_rows", [4, 60])
+def test_bags_on_disk_train_to_the_bits_of_bags_in_memory(tmp_path, mode, weighted, freq, cache_rows):
+    def bag(**kwargs):
+        torch.manual_seed(0)
+        return hostembed.EmbeddingBag(ROWS, 64, mode=mode, padding_idx=3, scale_grad_by_freq=freq, **kwargs)
+
+    memory, disk = bag(), bag(storage=tmp_path / "t", cache_rows=cache_rows)
+    memory_opt = hostembed.SparseAdam(memory.parameters(), lr=0.01)
+    disk_opt = hostembed.SparseAdam(disk.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(8):
+        ids = zipf_ids(ROWS, 12_000 if step % 2 else 96, generator=gen)  # the core's pooling and torch's op
+        ids[::17] = 3
+        offsets = torch.arange(0, ids.numel(), 4)
+        weights = torch.rand(ids.numel(), generator=gen) if weighted else None
+        for emb, opt in ((memory, memory_opt), (disk, disk_opt)):
+            out = emb(ids, offsets, per_sample_weights=weights)
+            opt.zero_grad()
+            (out - 0.25).pow(2).sum().backward()
+            opt.step()
+    assert disk._last_lookup_path == "cache" and disk.cache_stats["fetches"] > 0
+    assert torch.equal(disk.weight, memory.weight)
+    if cache_rows == 4 and mode == "sum" and not weighted:  # a bag table's files open as an Embedding's do
+        disk.flush_cache()
+        again = hostembed.EmbeddingBag.from_pretrained(disk.weight.detach(), mode="sum", storage=tmp_path / "u",
+                                                       cache_rows=8)
+        del disk
+        gc.collect()
+        for path in ("t", "u"):
+            reopened = hostembed.EmbeddingBag(ROWS, 64, mode="sum", storage=tmp_path / path, cache_rows=8)
+            assert torch.equal(reopened.weight, memory.weight)
+        assert torch.equal(again.weight, memory.weight)
+
+
+@pytest.mark.gpu
+def test_bags_on_disk_with_gpu_outputs_give_the_bits_of_cpu_outputs(tmp_path):
+    if not hostembed.cuda_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    memory = hostembed.EmbeddingBag(ROWS, 64, mode="sum")
+    torch.manual_seed(0)
+    disk = hostembed.EmbeddingBag(ROWS, 64, mode="sum", storage=tmp_path / "t", cache_rows=40, device="cuda")
+    opts = [hostembed.SparseAdam(m.parameters(), lr=0.01) for m in (memory, disk)]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        ids = zipf_ids(ROWS, 4096, generator=gen)
+        offsets = torch.arange(0, ids.numel(), 4)
+        for emb, opt in zip((memory, disk), opts):
+            out = emb(ids.cuda(), offsets.cuda()) if emb is disk else emb(ids, offsets)
+            assert out.device.type == ("cuda" if emb is disk else "cpu")
+            opt.zero_grad()
+            (out.float() - 0.25).pow(2).sum().backward()
+            opt.step()
+    assert torch.equal(disk.weight, memory.weight)

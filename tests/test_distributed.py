@@ -83,6 +83,25 @@ def test_ranks_train_like_one_table_on_their_batches_together(tmp_path, world, o
     assert not torch.equal(emb.weight.detach(), initial_table()), "training changed nothing"
 
 
+@pytest.mark.parametrize("world, optimizer, fused", [(2, "SparseAdam", False), (3, "RowWiseAdagrad", True)])
+def test_shards_on_disk_train_like_one_table_and_open_again(tmp_path, world, optimizer, fused):
+    directory = str(tmp_path / "table")
+    results = run_ranks(world, "train_on_disk", tmp_path, optimizer, fused, directory)
+    emb, opt = reference(optimizer, fused, world)
+    state = opt.state[emb.weight]
+    for r in results:
+        start, end = r["range"]
+        assert r["fetches"] > 0
+        torch.testing.assert_close(r["weight"], emb.weight.detach()[start:end], rtol=1e-5, atol=1e-6)
+        for key, value in r["state"].items():
+            torch.testing.assert_close(value, state[key][start:end], rtol=1e-5, atol=1e-6)
+    assert sorted(os.listdir(directory)) == [f"rank{r}-of-{world}" for r in range(world)]
+    (tmp_path / "again").mkdir()
+    reopened = run_ranks(world, "reopen_on_disk", tmp_path / "again", directory)
+    for first, again in zip(results, reopened):
+        assert torch.equal(first["weight"], again["weight"])
+
+
 @pytest.mark.parametrize("world, optimizer, fused, mode", [
     (2, "SGD", False, "mean"), (3, "SparseAdam", True, "sum"), (2, "RowWiseAdagrad", False, "sum"),
     (2, "SGD", False, "max")])

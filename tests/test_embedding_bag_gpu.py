@@ -93,3 +93,22 @@ def test_int32_2d_input_scale_grad_by_freq_and_max_norm_on_the_gpu(mode):
     out.backward(grad_out)
     # torch's CUDA kernel divides by each id's own count, as hostembed does.
     torch.testing.assert_close(ours.weight.grad.to_dense(), ref.weight.grad.cpu(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_bags_through_a_gpu_row_cache_give_the_uncached_bits(mode):
+    torch.manual_seed(0)
+    plain = hostembed.EmbeddingBag(NUM_ROWS, DIM, mode=mode, device="cuda", padding_idx=3)
+    torch.manual_seed(0)
+    cached = hostembed.EmbeddingBag(NUM_ROWS, DIM, mode=mode, device="cuda", padding_idx=3, cache_rows=64)
+    assert type(cached._table.cache).__name__ == "GpuRowCache"
+    opts = [hostembed.SparseAdam(m.parameters(), lr=0.01) for m in (plain, cached)]
+    for step in range(6):
+        ids, offsets, _ = batch("cuda", False, seed=step)
+        for emb, opt in zip((plain, cached), opts):
+            out = emb(ids, offsets)
+            opt.zero_grad()
+            (out - 0.25).pow(2).sum().backward()
+            opt.step()
+    assert cached._last_lookup_path == "cache" and cached.cache_stats["fetches"] > 0
+    assert torch.equal(cached.weight, plain.weight)

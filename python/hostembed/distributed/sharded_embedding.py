@@ -1,6 +1,7 @@
 """ShardedEmbedding: one table's rows spread over the ranks of a
 torch.distributed process group, each rank holding its contiguous range in
 a hostembed.Embedding of its own (its shard)."""
+import os
 import socket
 
 import torch
@@ -26,15 +27,19 @@ class _RowSharded(nn.Module):
     _who = WHO
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx, process_group, sparse, dtype, _weight,
-                 flags=(), share_within_host=False, device=None, _host=None):
+                 flags=(), share_within_host=False, device=None, _host=None, storage=None, ram_budget=None,
+                 cache_rows=None):
         super().__init__()
+        if share_within_host and (storage is not None or ram_budget is not None or cache_rows is not None):
+            raise ValueError(f"{self._who}: share_within_host keeps a host's rows in one shared mapping; storage=, "
+                             "ram_budget= and cache_rows= apply to shards of a rank's own")
         self._output_device = torch.device("cpu") if device is None else torch.device(device)
         if self._output_device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"{self._who}(device={str(self._output_device)!r}): CUDA is not available")
         # _host: which host this rank is on, for tests that play several.
         host = (socket.gethostname() if _host is None else _host) if share_within_host else None
         agreed = agree(self._who, num_embeddings, embedding_dim, padding_idx, dtype, process_group, _weight,
-                       flags=(bool(sparse), bool(share_within_host), *flags), extra=host)
+                       flags=(bool(sparse), bool(share_within_host), storage is not None, *flags), extra=host)
         group, rank, world, padding_idx, dtype, bounds, hosts = agreed
         self.num_embeddings, self.embedding_dim, self.padding_idx = int(num_embeddings), int(embedding_dim), padding_idx
         self._whole_group = None
@@ -56,7 +61,11 @@ class _RowSharded(nn.Module):
                                          dtype=dtype, _weight=rows, _host=host)
             self.shard._first_row = start
         else:
-            self.shard = Embedding(end - start, embedding_dim, local_padding, sparse=sparse, dtype=dtype, _weight=rows)
+            # On disk: a directory of the rank's own under `storage` (a
+            # rank's shard is its rows; the same ranks open them again).
+            shard_storage = None if storage is None else os.path.join(os.fspath(storage), f"rank{rank}-of-{world}")
+            self.shard = Embedding(end - start, embedding_dim, local_padding, sparse=sparse, dtype=dtype, _weight=rows,
+                                   storage=shard_storage, ram_budget=ram_budget, cache_rows=cache_rows)
             self.shard._table.sharded = True  # its gradient comes from every rank's lookups: no all-reduce
 
     def _shard_weight(self):
@@ -192,6 +201,12 @@ class ShardedEmbedding(_RowSharded):
     id and the rank, before anything is looked up. Every rank must build
     the same table (``ValueError`` otherwise, on every rank).
 
+    ``storage``, ``ram_budget``, ``cache_rows`` (keyword-only): each rank's
+    shard kept on disk as :class:`hostembed.Embedding`'s ``storage=``, in
+    the directory ``rank{r}-of-{W}`` under ``storage`` (a local disk of
+    each rank's host), with a row cache of that budget; the same number of
+    ranks opens the shards again.
+
     ``share_within_host=True`` spreads the rows over the hosts instead of
     the ranks: host h of H holds rows ``[h * N // H, (h + 1) * N // H)`` as
     one :class:`SharedEmbedding` that all its ranks map (``self.shard``),
@@ -213,19 +228,22 @@ class ShardedEmbedding(_RowSharded):
     """
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, *, process_group=None, sparse=True,
-                 dtype=None, share_within_host=False, device=None, _weight=None, _host=None):
+                 dtype=None, share_within_host=False, device=None, _weight=None, _host=None, storage=None,
+                 ram_budget=None, cache_rows=None):
         super().__init__(num_embeddings, embedding_dim, padding_idx, process_group, sparse, dtype, _weight,
-                         share_within_host=share_within_host, device=device, _host=_host)
+                         share_within_host=share_within_host, device=device, _host=_host, storage=storage,
+                         ram_budget=ram_budget, cache_rows=cache_rows)
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, *, process_group=None, sparse=True,
-                        share_within_host=False, device=None, _host=None):
+                        share_within_host=False, device=None, _host=None, storage=None, ram_budget=None,
+                        cache_rows=None):
         """A table holding `embeddings` (the whole [N, D] table, the same on
         every rank), each rank keeping its own rows."""
         check_pretrained(WHO, embeddings)
         module = cls(*embeddings.shape, padding_idx, process_group=process_group, sparse=sparse,
                      dtype=embeddings.dtype, share_within_host=share_within_host, device=device, _weight=embeddings,
-                     _host=_host)
+                     _host=_host, storage=storage, ram_budget=ram_budget, cache_rows=cache_rows)
         module._shard_weight().requires_grad_(not freeze)
         return module
 

@@ -46,22 +46,23 @@ class ShardedEmbeddingBag(_RowSharded):
 
     def __init__(self, num_embeddings, embedding_dim, mode="mean", padding_idx=None, include_last_offset=False, *,
                  process_group=None, sparse=True, dtype=None, share_within_host=False, device=None, _weight=None,
-                 _host=None):
+                 _host=None, storage=None, ram_budget=None, cache_rows=None):
         bag_input.check_options(mode, False)
         super().__init__(num_embeddings, embedding_dim, padding_idx, process_group, sparse, dtype, _weight,
                          flags=(mode, bool(include_last_offset)), share_within_host=share_within_host, device=device,
-                         _host=_host)
+                         _host=_host, storage=storage, ram_budget=ram_budget, cache_rows=cache_rows)
         self.mode, self.include_last_offset = mode, bool(include_last_offset)
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze=True, mode="mean", padding_idx=None, include_last_offset=False, *,
-                        process_group=None, sparse=True, share_within_host=False, device=None, _host=None):
+                        process_group=None, sparse=True, share_within_host=False, device=None, _host=None,
+                        storage=None, ram_budget=None, cache_rows=None):
         """A table holding `embeddings` (the whole [N, D] table, the same on
         every rank), each rank keeping its own rows."""
         check_pretrained(WHO, embeddings)
         module = cls(*embeddings.shape, mode, padding_idx, include_last_offset, process_group=process_group,
                      sparse=sparse, dtype=embeddings.dtype, share_within_host=share_within_host, device=device,
-                     _weight=embeddings, _host=_host)
+                     _weight=embeddings, _host=_host, storage=storage, ram_budget=ram_budget, cache_rows=cache_rows)
         module._shard_weight().requires_grad_(not freeze)
         return module
 

@@ -4,9 +4,8 @@ from torch import nn
 
 from .._core.ids import prepare_ids
 from .._core.ops import cpu as cpu_ops
-from .._core.ops.cache_plan import MAX_CACHE_ROWS
 from .._core.table import check_table_dtype
-from .host_module import UNINITIALISED, HostTableModule, padding_index, pretrained_source
+from .host_module import UNINITIALISED, HostTableModule, check_cache_rows, padding_index, pretrained_source
 from .lookup import cached as _lookup_cached, cpu as _lookup_cpu, gpu as _lookup_gpu
 from .lookup.prefetch import Prefetch
 
@@ -89,7 +88,7 @@ class Embedding(HostTableModule, nn.Embedding):
         self.max_norm = max_norm
         self.norm_type = norm_type
         self.scale_grad_by_freq = scale_grad_by_freq
-        _check_cache_rows(cache_rows, max_norm)
+        check_cache_rows("hostembed.Embedding", cache_rows, max_norm)
         self._init_table(num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype, cache_rows,
                          storage, ram_budget)
 
@@ -152,26 +151,6 @@ class Embedding(HostTableModule, nn.Embedding):
         if self.max_norm is None:
             table.prefetch = Prefetch(table, self.weight, ids, *cpu_ops.gather_later(self.weight, ids))
 
-    @property
-    def cache_rows(self):
-        """The rows the module's row cache holds at most (None: no cache).
-        Setting it writes the cache back and starts a new one of that size
-        (None: none)."""
-        return self._cache_rows
-
-    @cache_rows.setter
-    def cache_rows(self, value):
-        _check_cache_rows(value, self.max_norm)
-        if value is None and self._table.files is not None:
-            raise ValueError(f"hostembed.Embedding: a table kept on disk ({self._table.files.path}) reads and writes "
-                             "its rows through its row cache; give it a number of rows, not None")
-        if value is not None and self._table.stochastic_rounding:
-            raise ValueError("hostembed.Embedding: a row cache cannot repeat stochastic rounding bit for bit; "
-                             "switch stochastic_rounding off first")
-        self.flush_cache()
-        self._cache_rows = value
-        self._make_cache()
-
     def _get_name(self):
         return "hostembed.Embedding"
 
@@ -208,15 +187,3 @@ class Embedding(HostTableModule, nn.Embedding):
         if storage is not None:
             emb.flush_cache()  # the files hold every row: the table opens again
         return emb
-
-
-def _check_cache_rows(cache_rows, max_norm):
-    if cache_rows is None:
-        return
-    if isinstance(cache_rows, bool) or not isinstance(cache_rows, int):
-        raise TypeError(f"hostembed.Embedding: cache_rows must be an int or None, got {type(cache_rows).__name__}")
-    if not 1 <= cache_rows < MAX_CACHE_ROWS:
-        raise ValueError(f"hostembed.Embedding: cache_rows must be in [1, {MAX_CACHE_ROWS}), got {cache_rows}")
-    if max_norm is not None:
-        raise ValueError("hostembed.Embedding: max_norm renorms rows in host memory at each lookup, which a row "
-                         "cache cannot do; use one or the other")

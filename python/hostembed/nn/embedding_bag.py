@@ -6,8 +6,8 @@ from torch import nn
 from .._core.ids import prepare_ids
 from .._core.ops import cpu as cpu_ops
 from .._core.table import check_table_dtype
-from .host_module import UNINITIALISED, HostTableModule, padding_index, pretrained_source
-from .lookup import bag_cpu as _bag_cpu, bag_input as _bags, cpu as _lookup_cpu, gpu as _lookup_gpu
+from .host_module import UNINITIALISED, HostTableModule, check_cache_rows, padding_index, pretrained_source
+from .lookup import bag_cpu as _bag_cpu, bag_input as _bags, cached as _lookup_cached, cpu as _lookup_cpu, gpu as _lookup_gpu
 from .lookup.cpu import max_norm_of
 
 
@@ -29,6 +29,10 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
     is row-sparse over the distinct ids, like hostembed.Embedding's, and
     every hostembed optimizer (fused SparseAdam too) trains it.
 
+    ``cache_rows``, ``storage`` and ``ram_budget`` (keyword-only) are
+    hostembed.Embedding's: the distinct rows of a batch are looked up
+    through the row cache, then pooled by torch's embedding_bag.
+
     Differences from torch, as for hostembed.Embedding: ``sparse=True`` by
     default (and allowed with mode ``"max"``, which torch refuses); the
     table stays in host memory and ``device`` / ``.to()`` move the outputs;
@@ -39,7 +43,7 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
 
     def __init__(self, num_embeddings, embedding_dim, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                  mode="mean", sparse=True, _weight=None, include_last_offset=False, padding_idx=None,
-                 device=None, dtype=None, *, _freeze=False):
+                 device=None, dtype=None, *, _freeze=False, cache_rows=None, storage=None, ram_budget=None):
         # nn.Module's, not nn.EmbeddingBag's: that one would allocate a table.
         nn.Module.__init__(self)
         _bags.check_options(mode, scale_grad_by_freq)
@@ -49,7 +53,9 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
         self.scale_grad_by_freq = scale_grad_by_freq
         self.mode = mode
         self.include_last_offset = include_last_offset
-        self._init_table(num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype)
+        check_cache_rows("hostembed.EmbeddingBag", cache_rows, max_norm)
+        self._init_table(num_embeddings, embedding_dim, sparse, _weight, _freeze, device, dtype, cache_rows, storage,
+                         ram_budget)
 
     def forward(self, input, offsets=None, per_sample_weights=None):
         out = _bag_cpu.small_bags(self, input, offsets, per_sample_weights)
@@ -75,12 +81,19 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
             return out if device.type == "cpu" else out.to(device)
         if compiling:
             return self._traced_bags(ids, offsets, per_sample_weights, include_last_offset, gpu, padding_idx)
+        cache = self._table.cache
+        if cache is not None and cache.device.type == "cpu" and self.mode != "max":
+            return self._cached_bags(ids, offsets, per_sample_weights, include_last_offset, padding_idx)
         unique, inverse = self._unique(ids, gpu)
         # Each distinct row once, renormed (max_norm) and range-checked by
         # the lookup; its backward sums the rows' gradients into the table's.
-        rows = (_lookup_gpu if gpu else _lookup_cpu).lookup(self, unique, scale_grad_by_freq=False)
-        if not compiling:
-            self._record_path("gpu" if gpu else "cpu")
+        if cache is not None:  # eager only: a cached lookup is a graph break
+            rows = _lookup_cached.lookup(self, unique, scale_grad_by_freq=False)
+            self._record_path("cache")
+        else:
+            rows = (_lookup_gpu if gpu else _lookup_cpu).lookup(self, unique, scale_grad_by_freq=False)
+            if not compiling:
+                self._record_path("gpu" if gpu else "cpu")
         device = rows.device
         inverse = inverse.to(device)
         if self.scale_grad_by_freq and rows.requires_grad:
@@ -94,6 +107,21 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
         return F.embedding_bag(inverse, rows, offsets.to(device), mode=self.mode, sparse=False,
                                per_sample_weights=per_sample_weights, include_last_offset=include_last_offset,
                                padding_idx=_bag_cpu.padding_row(unique, padding_idx))
+
+    def _cached_bags(self, ids, offsets, per_sample_weights, include_last_offset, padding_idx):
+        """Sum and mean bags through a row cache of host records: the
+        batch's distinct rows from the cache, pooled by the core as from
+        the table (PooledRows: the uncached bits); outputs copied to their
+        device."""
+        unique, inverse = self._unique(ids, False)
+        rows = _lookup_cached.lookup(self, unique, scale_grad_by_freq=False, device=torch.device("cpu"))
+        self._record_path("cache")
+        at = _bag_cpu.padding_row(unique, padding_idx)
+        out = _bag_cpu.PooledRows.apply(
+            rows, None if per_sample_weights is None else per_sample_weights.to("cpu"), inverse.to(ids.dtype),
+            offsets.to("cpu"), (self.mode, include_last_offset, -1 if at is None else at, self.scale_grad_by_freq))
+        device = self._output_device
+        return out if device.type == "cpu" else out.to(device)
 
     def _bags(self, input, offsets, per_sample_weights, pools_on_cpu=None):
         """(ids, offsets, per_sample_weights, include_last_offset): the
@@ -119,7 +147,7 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
     def _pools_on_cpu(self) -> bool:
         """Whether forward pools in the core, on the CPU (PooledLookup):
         eager, sum or mean, outputs not read by the GPU kernels."""
-        return not (torch.compiler.is_compiling() or self.mode == "max"
+        return not (torch.compiler.is_compiling() or self.mode == "max" or self._table.cache is not None
                     or (self._output_device.type == "cuda" and self._table.kernels_read_it))
 
     def _traced_bags(self, ids, offsets, per_sample_weights, include_last_offset, gpu, padding_idx):
@@ -153,16 +181,20 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
     @classmethod
     def from_pretrained(cls, embeddings, freeze=True, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                         mode="mean", sparse=True, include_last_offset=False, padding_idx=None, *, key=None,
-                        progress=None):
+                        progress=None, cache_rows=None, storage=None, ram_budget=None):
         """A new host table holding the rows of `embeddings`: torch's
         signature, and a tensor or a file as in
-        :meth:`hostembed.Embedding.from_pretrained`."""
+        :meth:`hostembed.Embedding.from_pretrained` (cache_rows, storage and
+        ram_budget too)."""
         source = pretrained_source(embeddings, key)
         rows, cols = source.shape
         check_table_dtype(source.dtype, "hostembed.EmbeddingBag.from_pretrained")
         bag = cls(num_embeddings=rows, embedding_dim=cols, _weight=UNINITIALISED, _freeze=freeze,
                   dtype=source.dtype,
                   max_norm=max_norm, norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq, mode=mode,
-                  sparse=sparse, include_last_offset=include_last_offset, padding_idx=padding_idx)
+                  sparse=sparse, include_last_offset=include_last_offset, padding_idx=padding_idx,
+                  cache_rows=cache_rows, storage=storage, ram_budget=ram_budget)
         bag._fill_from(source, progress)
+        if storage is not None:
+            bag.flush_cache()  # the files hold every row: the table opens again
         return bag

@@ -11,6 +11,7 @@ from torch import nn
 from .._cache.gpu_cache import GpuRowCache
 from .._cache.row_cache import RowCache, flush_when_done
 from .._core.cuda import require_cuda, resolve_device, unavailable_reason
+from .._core.ops.cache_plan import MAX_CACHE_ROWS
 from .._core.ops.common import CUDA_COMPILED
 from .._core.table import HostTable, check_table_dtype, compute_dtype, dtype_name
 from .._core.table_files import TableFiles
@@ -94,6 +95,18 @@ def storage_cache_rows(name, num_rows, dim, dtype, cache_rows, ram_budget):
     return min(rows, max(num_rows, 1))
 
 
+def check_cache_rows(name, cache_rows, max_norm):
+    if cache_rows is None:
+        return
+    if isinstance(cache_rows, bool) or not isinstance(cache_rows, int):
+        raise TypeError(f"{name}: cache_rows must be an int or None, got {type(cache_rows).__name__}")
+    if not 1 <= cache_rows < MAX_CACHE_ROWS:
+        raise ValueError(f"{name}: cache_rows must be in [1, {MAX_CACHE_ROWS}), got {cache_rows}")
+    if max_norm is not None:
+        raise ValueError(f"{name}: max_norm renorms rows in host memory at each lookup, which a row "
+                         "cache cannot do; use one or the other")
+
+
 class HostTableModule:
     """Mixin before nn.Embedding / nn.EmbeddingBag in the bases: every
     method that touches the weight goes to the host table."""
@@ -158,6 +171,26 @@ class HostTableModule:
         self._make_cache()
 
     # ---- the row cache (Embedding(cache_rows=N))
+
+    @property
+    def cache_rows(self):
+        """The rows the module's row cache holds at most (None: no cache).
+        Setting it writes the cache back and starts a new one of that size
+        (None: none)."""
+        return self._cache_rows
+
+    @cache_rows.setter
+    def cache_rows(self, value):
+        check_cache_rows(self._get_name(), value, self.max_norm)
+        if value is None and self._table.files is not None:
+            raise ValueError(f"{self._get_name()}: a table kept on disk ({self._table.files.path}) reads and writes "
+                             "its rows through its row cache; give it a number of rows, not None")
+        if value is not None and self._table.stochastic_rounding:
+            raise ValueError(f"{self._get_name()}: a row cache cannot repeat stochastic rounding bit for bit; "
+                             "switch stochastic_rounding off first")
+        self.flush_cache()
+        self._cache_rows = value
+        self._make_cache()
 
     def _make_cache(self) -> None:
         """A new, empty row cache for the table, if the module has one."""

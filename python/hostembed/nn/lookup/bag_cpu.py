@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ..._core import fused as _fused
 from ..._core.ops import bags as bag_ops, common as common_ops, cpu as cpu_ops
 from ..._core.ids import ID_DTYPES
+from ..._core.table import HostTable
 from . import bag_input
 
 
@@ -241,6 +242,34 @@ def bag_gradient(batch, grad_out, needs_weight, needs_weights, scale_grad_by_fre
                                               batch, rounded=True)
         grad = common_ops.weight_grad(indices, values, table.num_rows, table.dim, sparse, table.dtype)
     return grad, weights_grad
+
+
+class PooledRows(torch.autograd.Function):
+    """Bags pooled by the core from `rows`, a batch's distinct rows (as a
+    row cache hands them), the ids given as their indices among them
+    (`inverse`): the bits of pooling from the whole table, forward and
+    backward, since the core sums each id's positions in position order
+    and the renumbering keeps both. apply(rows, per_sample_weights,
+    inverse, offsets, (mode, include_last_offset, padding_idx among the
+    rows or -1, scale_grad_by_freq)); the rows' gradient is dense."""
+
+    @staticmethod
+    def forward(ctx, rows, per_sample_weights, inverse, offsets, options):
+        mode, include_last_offset, padding, scale_grad_by_freq = options
+        # The core pools from a table it owns: the rows, copied into one.
+        table = HostTable(rows.shape[0], rows.shape[1], dtype=rows.dtype, first_touch=False)
+        table.tensor.copy_(rows)
+        batch = bag_ops.BagBatch(table.tensor, inverse, offsets, include_last_offset, per_sample_weights, padding,
+                                 mode == "mean")
+        (out,) = pool([batch])
+        ctx.batch, ctx.table, ctx.scale_grad_by_freq = batch, table, scale_grad_by_freq
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad, weights_grad = bag_gradient(ctx.batch, grad_out, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                          ctx.scale_grad_by_freq, False)
+        return grad, weights_grad, None, None, None
 
 
 def padding_row(unique, padding_idx):

@@ -196,17 +196,21 @@ def _note_distinct(table, indices):
 
 
 @torch.compiler.disable
-def lookup(module, ids):
-    """module.weight[ids] through the module's table's row cache."""
+def lookup(module, ids, scale_grad_by_freq=None, device=None):
+    """module.weight[ids] through the module's table's row cache, with the
+    module's options (scale_grad_by_freq overrides its own; device, the
+    output's, for a cache of host records)."""
     if module.max_norm is not None:
         raise RuntimeError(f"{module._get_name()}: max_norm renorms rows in host memory at each lookup, which a "
                            "row cache cannot do; set max_norm=None or build the module without cache_rows")
     table = module._table
     padding = -1 if module.padding_idx is None else module.padding_idx
+    if scale_grad_by_freq is None:
+        scale_grad_by_freq = module.scale_grad_by_freq
     if isinstance(table.cache, GpuRowCache):
         check_ids(ids)
-        return _CachedGpuLookup.apply(module._parameters["weight"], ids, padding, module.scale_grad_by_freq,
+        return _CachedGpuLookup.apply(module._parameters["weight"], ids, padding, scale_grad_by_freq,
                                       module._sparse_gradient(), table, table.cache.device)
     ids = prepare_ids(ids)
-    return _CachedLookup.apply(module._parameters["weight"], ids, padding, module.scale_grad_by_freq,
-                               module._sparse_gradient(), table, module.output_device)
+    return _CachedLookup.apply(module._parameters["weight"], ids, padding, scale_grad_by_freq,
+                               module._sparse_gradient(), table, module.output_device if device is None else device)
