@@ -131,10 +131,17 @@ class _CachedLookup(torch.autograd.Function):
         dedup, unique, inverse, plan = _batch(table, ids)
         with table.lock:
             rows = table.cache.rows(plan, unique)
-        out = rows[inverse].view(*ids.shape, table.dim)
+        if device.type == "cpu":
+            out = rows[inverse].view(*ids.shape, table.dim)
+        else:
+            # Expanded straight into pinned memory, then one asynchronous
+            # copy (torch's pinned allocator keeps the block until it is done).
+            staged = torch.empty((inverse.numel(), table.dim), dtype=rows.dtype, pin_memory=True)
+            torch.index_select(rows, 0, inverse, out=staged)
+            out = staged.view(*ids.shape, table.dim).to(device, non_blocking=True)
         ctx.dedup, ctx.table = dedup, table
         cpu_ops.lookup_setup(ctx, (weight, ids, padding_idx, None, None, scale_grad_by_freq, sparse), out)
-        return out if device.type == "cpu" else out.to(device)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
