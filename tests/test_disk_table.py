@@ -74,9 +74,11 @@ def test_training_on_disk_gives_the_bits_of_the_table_in_memory(tmp_path, optimi
         assert torch.equal(got[key], expected[key]), key
 
 
-@pytest.mark.parametrize("dim,dtype", [(40, torch.float32), (64, torch.bfloat16)])
-def test_rows_that_are_not_whole_sectors_train_the_same(tmp_path, dim, dtype):
-    # 160 and 128 bytes a row: read and written through the page cache.
+@pytest.mark.parametrize("dim,dtype", [(40, torch.float32), (64, torch.bfloat16), (40, torch.float16),
+                                       (64, torch.float64)])
+def test_every_dtype_and_rows_that_are_not_whole_sectors_train_the_same(tmp_path, dim, dtype):
+    # 160, 128 and 80 bytes a row: read and written through the page cache;
+    # float64 rows of 512 bytes and their float64 state: direct I/O.
     memory = build(dim, dtype)
     memory_opt = hostembed.SparseAdam(memory.parameters(), lr=0.01)
     disk = build(dim, dtype, storage=tmp_path / "t", cache_rows=30)
