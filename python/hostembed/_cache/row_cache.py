@@ -83,8 +83,8 @@ class RowCache:
         # host memory.
         self.pending = torch.empty(0, dtype=torch.int64)
         self.moved = {"fetched_bytes": 0, "written_back_bytes": 0}
-        # The OSError of a failed move to or from a table's files (see
-        # _fail), or None.
+        # What a failed move to or from a table's files raised, as text
+        # (see _fail), or None.
         self.failed = None
         # Rows updated outside the cache whose write to the files failed:
         # (host tensor, rows, values), written by flush().
@@ -255,7 +255,9 @@ class RowCache:
         """A move to or from a table's files failed: the planner already
         counts this batch, so the cache takes no more batches (flush still
         writes what it holds)."""
-        self.failed = exc
+        # Its text, not the exception: a traceback's frames would keep the
+        # module (and so the table's files) alive.
+        self.failed = f"{type(exc).__name__}: {exc}"
         raise exc
 
     @_ordered
@@ -437,6 +439,10 @@ def _flush_at_end(table):
     try:
         with table.lock:
             cache.flush()
+            # The cache and the table refer to each other: let go of it, so
+            # that the table (and the lock on its files) goes now, not at a
+            # later garbage collection.
+            table.cache = None
     except Exception as exc:  # a finalizer cannot raise to anyone
         warnings.warn(f"hostembed: writing back the table in {table.files.path} at its end failed ({exc}); "
                       "it will not open again: restore it from a checkpoint", RuntimeWarning)

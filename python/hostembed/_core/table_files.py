@@ -10,12 +10,15 @@ them (_cache/row_cache.py) moves its records with read_rows/write_rows: the
 core's threads, many requests in flight, O_DIRECT where the rows are whole
 disk sectors (csrc/row_file.h says why not the page cache).
 
-Optimizer state files hold the state of one optimizer's life: they are
-removed when it drops them (and, if the process died, at the next open).
+Optimizer state files hold the state of one optimizer's life: each is
+removed when the last tensor over it goes (the optimizer's state and the
+row cache's hold on it), and any left by a process that died, at the next
+open.
 A table's training resumes from a checkpoint (hostembed.save), which holds
 the optimizer's state and step; the table files hold the rows.
 """
 import errno
+import fcntl
 import json
 import os
 import weakref
@@ -34,8 +37,6 @@ STATE_PREFIX = "state-"
 # (measured here: 9.8K 4 KiB reads/s at 1, 32K at 4, 58K at 16; rows of
 # 512 B: 53K/s read at 8, 69K at 32, 89K at 64).
 IO_THREADS = 64
-_DTYPES = {dtype_name(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
-                                      torch.uint8)}
 
 
 def _fsync_dir(path):
@@ -47,7 +48,7 @@ def _fsync_dir(path):
 
 
 class RowFile:
-    """One tensor's file: its mapping (`tensor`, [num_rows, width] or
+    """One tensor's file: its mapping (take_tensor(): [num_rows, width], or
     [num_rows] with per_row) and explicit row reads and writes."""
 
     def __init__(self, path, num_rows, width, dtype, *, create, per_row=False, zero_fill=False):
@@ -59,8 +60,10 @@ class RowFile:
         self.direct_fd = None
         try:
             size = os.fstat(self.fd).st_size
-            if create:
-                self._write_zeros() if zero_fill else self._reserve()
+            if create and zero_fill:
+                self._write_zeros()
+            elif create:
+                self._reserve()
             elif size != self.nbytes:
                 raise ValueError(f"hostembed: {path} is {size} bytes; a [{num_rows}, {width}] {dtype_name(dtype)} "
                                  f"tensor needs {self.nbytes}: not this table's file, or cut short")
@@ -169,9 +172,12 @@ class TableFiles:
             os.makedirs(self.path, exist_ok=True)
             self._write_manifest(clean=False)
             self.weight = RowFile(os.path.join(self.path, WEIGHT_FILE), num_rows, dim, dtype, create=True)
+            self._lock()
         else:
-            self._check_manifest(manifest)
+            self._check_manifest(manifest, opened=False)
             self.weight = RowFile(os.path.join(self.path, WEIGHT_FILE), num_rows, dim, dtype, create=False)
+            self._lock()
+            self._check_manifest(manifest, opened=True)
         self._remove_state_files()
         self.clean = False
         self._state_count = 0
@@ -179,7 +185,20 @@ class TableFiles:
         # entry goes with its buffer.
         self._files = {}
 
-    def _check_manifest(self, manifest):
+    def _lock(self):
+        """One module at a time, in any process: two would write the same
+        rows, and an open removes the state files it finds. Held (flock on
+        the weight file) until the table's rows are dropped."""
+        try:
+            fcntl.flock(self.weight.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.weight.close()
+            raise RuntimeError(f"hostembed: the table in {self.path} is open in another module (of this process or "
+                               "another); one module at a time may hold a table's files") from None
+
+    def _check_manifest(self, manifest, *, opened):
+        """Shape and dtype (before the weight file is opened), then, once
+        the table is this module's, whether it was closed cleanly."""
         try:
             with open(manifest) as f:
                 info = json.load(f)
@@ -188,16 +207,19 @@ class TableFiles:
         if info.get("format") != FORMAT or info.get("version") != VERSION:
             raise ValueError(f"hostembed: {manifest} is not a hostembed table (format {info.get('format')!r}, "
                              f"version {info.get('version')!r}; expected {FORMAT!r}, {VERSION})")
+        if opened:
+            if not info.get("clean"):
+                self.weight.close()
+                raise RuntimeError(
+                    f"hostembed: the table in {self.path} was not closed cleanly: the process that trained it "
+                    "stopped with rows in its RAM cache not yet written, so its file holds rows of different steps. "
+                    "Restore the table from a checkpoint (hostembed.load) instead")
+            return
         found = (info.get("num_rows"), info.get("dim"), info.get("dtype"))
         wanted = (self.num_rows, self.dim, dtype_name(self.dtype))
         if found != wanted:
             raise ValueError(f"hostembed: the table in {self.path} is [{found[0]}, {found[1]}] {found[2]}; the module "
                              f"asks for [{wanted[0]}, {wanted[1]}] {wanted[2]}")
-        if not info.get("clean"):
-            raise RuntimeError(
-                f"hostembed: the table in {self.path} was not closed cleanly: the process that trained it stopped "
-                "with rows in its RAM cache not yet written, so its file holds rows of different steps. Restore the "
-                "table from a checkpoint (hostembed.load) instead")
 
     def _write_manifest(self, *, clean):
         info = {"format": FORMAT, "version": VERSION, "num_rows": self.num_rows, "dim": self.dim,
