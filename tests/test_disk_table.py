@@ -406,3 +406,41 @@ def test_bags_on_disk_with_gpu_outputs_give_the_bits_of_cpu_outputs(tmp_path):
             (out.float() - 0.25).pow(2).sum().backward()
             opt.step()
     assert torch.equal(disk.weight, memory.weight)
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "SparseAdam", "Adagrad"])
+def test_torchs_optimizers_after_a_plain_swap_train_a_table_on_disk_to_the_same_bits(tmp_path, optimizer):
+    make = {"SGD": lambda p: torch.optim.SGD(p, lr=0.1), "SparseAdam": lambda p: torch.optim.SparseAdam(list(p)),
+            "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05)}[optimizer]
+    memory, disk = build(64), build(64, storage=tmp_path / "t", cache_rows=30)
+    opts = [make(memory.parameters()), make(disk.parameters())]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        ids = zipf_ids(ROWS, 128, generator=gen)
+        for emb, opt in zip((memory, disk), opts):
+            opt.zero_grad()
+            (emb(ids) - 0.5).pow(2).sum().backward()
+            opt.step()
+    assert disk.cache_stats["fetches"] > 0
+    assert torch.equal(disk.weight, memory.weight)
+
+
+def test_a_collection_looks_up_a_bag_table_on_disk_with_the_others(tmp_path):
+    def tables(storage=None):
+        torch.manual_seed(0)
+        return hostembed.EmbeddingBagCollection([
+            hostembed.EmbeddingBag(ROWS, 16, mode="sum"),
+            hostembed.EmbeddingBag(ROWS, 16, mode="sum", **({} if storage is None else
+                                                             dict(storage=storage, cache_rows=20)))])
+    memory, disk = tables(), tables(tmp_path / "t")
+    opts = [hostembed.SparseAdam(c.parameters(), lr=0.01) for c in (memory, disk)]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        ids = [zipf_ids(ROWS, 64, generator=gen) for _ in range(2)]
+        offsets = [torch.arange(0, 64, 4)] * 2
+        for collection, opt in zip((memory, disk), opts):
+            opt.zero_grad()
+            sum(out.pow(2).sum() for out in collection(ids, offsets)).backward()
+            opt.step()
+    for k in range(2):
+        assert torch.equal(disk[k].weight, memory[k].weight)
