@@ -44,8 +44,11 @@ def batch(step, rank):
     return ids, torch.randn(*ids.shape, DIM, generator=gen)
 
 
-def train(rank, world, optimizer, fused):
-    emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False)
+def train(rank, world, optimizer, fused, directory=None):
+    """Steps on each rank's batches; with `directory`, each rank's shard
+    kept on disk there (a row cache of 40 rows), flushed at the end."""
+    on_disk = {} if directory is None else dict(storage=directory, cache_rows=40)
+    emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False, **on_disk)
     cls, hyper = OPTIMIZERS[optimizer]
     opt = cls(emb.parameters(), fused=fused, **hyper)
     for step in range(STEPS):
@@ -53,27 +56,12 @@ def train(rank, world, optimizer, fused):
         (emb(ids) - target).pow(2).sum().backward()
         opt.step()
         opt.zero_grad()
-    state = {key: torch.as_tensor(value).clone() for key, value in opt.state[emb.shard.weight].items()
-             if torch.is_tensor(value) and value.dim() > 0}
-    return {"range": emb.row_range, "weight": emb.shard.weight.detach().clone(), "state": state}
-
-
-def train_on_disk(rank, world, optimizer, fused, directory):
-    """train's steps with each rank's shard kept on disk under `directory`
-    (a row cache of 40 rows), flushed at the end."""
-    emb = hd.ShardedEmbedding.from_pretrained(initial_table(), freeze=False, storage=directory, cache_rows=40)
-    cls, hyper = OPTIMIZERS[optimizer]
-    opt = cls(emb.parameters(), fused=fused, **hyper)
-    for step in range(STEPS):
-        ids, target = batch(step, rank)
-        (emb(ids) - target).pow(2).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    emb.shard.flush_cache()
+    if directory is not None:
+        emb.shard.flush_cache()
     state = {key: torch.as_tensor(value).clone() for key, value in opt.state[emb.shard.weight].items()
              if torch.is_tensor(value) and value.dim() > 0}
     return {"range": emb.row_range, "weight": emb.shard.weight.detach().clone(), "state": state,
-            "fetches": emb.shard.cache_stats["fetches"]}
+            "fetches": None if directory is None else emb.shard.cache_stats["fetches"]}
 
 
 def reopen_on_disk(rank, world, directory):
@@ -473,7 +461,7 @@ JOBS = {"train": train, "out_of_range": out_of_range, "mismatched": mismatched, 
         "train_host_sharded": train_host_sharded, "uneven_hosts": uneven_hosts,
         "shared_memory": shared_memory, "on_device": on_device, "moves_and_casts": moves_and_casts,
         "from_single_process": from_single_process, "shared_out_of_range": shared_out_of_range,
-        "train_on_disk": train_on_disk, "reopen_on_disk": reopen_on_disk}
+        "train_on_disk": train, "reopen_on_disk": reopen_on_disk}
 
 
 def worker(rank, world, outdir, job, args):
