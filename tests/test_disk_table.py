@@ -444,3 +444,13 @@ def test_a_collection_looks_up_a_bag_table_on_disk_with_the_others(tmp_path):
             opt.step()
     for k in range(2):
         assert torch.equal(disk[k].weight, memory[k].weight)
+
+
+def test_a_refused_open_leaves_the_table_free(tmp_path):
+    build(storage=tmp_path / "t", cache_rows=10).flush_cache()
+    gc.collect()
+    with pytest.raises(ValueError, match="already holds a table"):
+        hostembed.Embedding(ROWS, 128, _weight=torch.zeros(ROWS, 128), storage=tmp_path / "t", cache_rows=10)
+    with pytest.raises(ValueError, match="asks for"):
+        hostembed.Embedding(ROWS, 64, storage=tmp_path / "t", cache_rows=10)
+    assert torch.equal(hostembed.Embedding(ROWS, 128, storage=tmp_path / "t", cache_rows=10).weight, build().weight)

@@ -256,9 +256,16 @@ class TableFiles:
             except OSError:
                 pass
 
-    def weight_tensor(self):
-        """The weight's mapping, [num_rows, dim] (once)."""
-        return self._register(self.weight, self.weight.take_tensor(), False)
+    def weight_buffer(self):
+        """The HostBuffer mapping the weight's file (once): the file stays
+        open, and locked, while it lives."""
+        buffer = self.weight.buffer()
+        self._register(self.weight, self.weight.take_tensor(), False)
+        return buffer
+
+    def close(self):
+        """Lets go of a table not taken after all (before weight_buffer)."""
+        self.weight.close()
 
     def new_state(self, width, dtype, per_row):
         """A zeroed state tensor of `width` values of dtype a row ([num_rows]

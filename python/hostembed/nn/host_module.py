@@ -144,10 +144,10 @@ class HostTableModule:
             cache_rows = storage_cache_rows(name, num_embeddings, embedding_dim, dtype, cache_rows, ram_budget)
             files = TableFiles(storage, num_embeddings, embedding_dim, dtype)
             if not files.created and _weight is not None:  # from_pretrained's UNINITIALISED too
+                files.close()
                 raise ValueError(f"{name}: {files.path} already holds a table; its rows are the module's "
                                  "(give a new directory to start from other values)")
-            weight_map = files.weight_tensor()  # noqa: F841 (the file lives while the table's buffer does)
-            self._table = HostTable(num_embeddings, embedding_dim, dtype=dtype, rows_buffer=files.weight.buffer())
+            self._table = HostTable(num_embeddings, embedding_dim, dtype=dtype, rows_buffer=files.weight_buffer())
             self._table.files = files
         elif ram_budget is not None:
             raise ValueError(f"{name}: ram_budget= limits the RAM of a table kept on disk; give storage= too")
