@@ -7,7 +7,8 @@ from .._core.ids import prepare_ids
 from .._core.ops import cpu as cpu_ops
 from .._core.table import check_table_dtype
 from .host_module import UNINITIALISED, HostTableModule, check_cache_rows, padding_index, pretrained_source
-from .lookup import bag_cpu as _bag_cpu, bag_input as _bags, cached as _lookup_cached, cpu as _lookup_cpu, gpu as _lookup_gpu
+from .lookup import bag_cpu as _bag_cpu, bag_input as _bags, cached as _lookup_cached
+from .lookup import cpu as _lookup_cpu, gpu as _lookup_gpu
 from .lookup.cpu import max_norm_of
 
 
@@ -31,7 +32,8 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
 
     ``cache_rows``, ``storage`` and ``ram_budget`` (keyword-only) are
     hostembed.Embedding's: the distinct rows of a batch are looked up
-    through the row cache, then pooled by torch's embedding_bag.
+    through the row cache, then pooled as without one (sum and mean by the
+    core from those rows, with a cache of host records: the same bits).
 
     Differences from torch, as for hostembed.Embedding: ``sparse=True`` by
     default (and allowed with mode ``"max"``, which torch refuses); the

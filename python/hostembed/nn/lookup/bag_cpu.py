@@ -19,6 +19,9 @@ position points (he_reduce_opts.bag_of), so no per-position copy is made:
 one reduce straight into the table's row-sparse gradient, or into the
 fused update.
 
+A table with a row cache of host records: the batch's distinct rows from
+the cache, pooled by the core as from the table (PooledRows).
+
 "max" mode and GPU outputs go through the general path in
 embedding_bag.py (the Embedding lookup of the unique ids, then
 embedding_bag with its autograd); torch.compile through its traced path
