@@ -117,8 +117,7 @@ class RowCache:
             if weight:
                 self.records = HostTable(capacity, dim, dtype=self.table.dtype, first_touch=False)
                 return self.records.tensor
-            per_row = like.dim() == 1
-            return self.records.zeros(per_row=per_row, dtype=like.dtype, width=None if per_row else like.shape[1])
+            return _zeros_like(self.records, like)
         if weight:
             return torch.zeros((capacity, dim), dtype=self.table.dtype, device=self.device)
         return torch.zeros((capacity, *like.shape[1:]), dtype=like.dtype, device=self.device)
@@ -324,8 +323,8 @@ class RowCache:
                 staged = self._stage_from_files(state, bypass_indices)
             except OSError as exc:
                 self._fail(exc)
-        update_ops.update_rows(kind, self.records, {k: self._records_of(k, item) for k, item in state.items()},
-                               slots[cached], values[cached], **hyper)
+        update_ops.update_rows(kind, self.records, _state_over(state, self.cached), slots[cached], values[cached],
+                               **hyper)
         self.dirty.update(("weight", *_tensors_of(state)))
         if self.table.files is None:
             update_ops.update_rows(kind, self.table, state, bypass_indices, bypass_values, **hyper)
@@ -347,36 +346,19 @@ class RowCache:
         move 4 KiB pages one at a time."""
         rows, inverse = torch.unique(indices, return_inverse=True)
         records = HostTable(rows.numel(), self.table.dim, dtype=self.table.dtype, first_touch=False)
-        records.tensor.copy_(self._host_read(self.table.tensor, rows))
-        hosts, temporary = {"weight": self.table.tensor}, {"weight": records.tensor}
-        for key, tensor in _tensors_of(state).items():
-            per_row = tensor.dim() == 1
-            temporary[key] = records.zeros(per_row=per_row, dtype=tensor.dtype,
-                                           width=None if per_row else tensor.shape[1])
+        hosts = {"weight": self.table.tensor, **_tensors_of(state)}
+        temporary = {"weight": records.tensor}
+        for key, tensor in hosts.items():
+            if key != "weight":
+                temporary[key] = _zeros_like(records, tensor)
             temporary[key].copy_(self._host_read(tensor, rows))
-            hosts[key] = tensor
-        items = {}
-        for key, item in state.items():
-            if isinstance(item, Tensor):
-                items[key] = temporary[key]
-            else:
-                _, scale, stochastic = item
-                items[key] = (temporary[key], None if scale is None else temporary[_scale_key(key)], stochastic)
-        return records, items, hosts, temporary, rows, inverse.view(-1)
+        return records, _state_over(state, temporary), hosts, temporary, rows, inverse.view(-1)
 
     def _write_unwritten(self):
         while self.unwritten:
             host, rows, values = self.unwritten[0]
             self._host_write(host, rows, values)
             self.unwritten.pop(0)
-
-    def _records_of(self, key, item):
-        """The records standing for state `item` (update_ops' form: a
-        tensor, or a compact state's (tensor, scales or None, stochastic))."""
-        if isinstance(item, Tensor):
-            return self.cached[key]
-        _, scale, stochastic = item
-        return self.cached[key], None if scale is None else self.cached[_scale_key(key)], stochastic
 
     @_ordered
     def flush(self, keys=None) -> None:
@@ -400,6 +382,28 @@ _CHUNK_ROWS = 1 << 16
 
 def _scale_key(key):
     return f"{key}_scale"
+
+
+def _zeros_like(records, like):
+    """Zeroed state of a HostTable of records, shaped and typed `like` a
+    host state tensor ([num_rows] or [num_rows, width])."""
+    per_row = like.dim() == 1
+    return records.zeros(per_row=per_row, dtype=like.dtype, width=None if per_row else like.shape[1])
+
+
+def _state_over(state, tensors):
+    """An update's state (update_ops' form: a tensor, or a compact state's
+    (tensor, scales or None, stochastic)) with `tensors` (by key, as
+    _tensors_of names them) standing for the host tensors: the cache's
+    records, or the records of rows that bypass it."""
+    over = {}
+    for key, item in state.items():
+        if isinstance(item, Tensor):
+            over[key] = tensors[key]
+        else:
+            _, scale, stochastic = item
+            over[key] = (tensors[key], None if scale is None else tensors[_scale_key(key)], stochastic)
+    return over
 
 
 def _tensors_of(state):
