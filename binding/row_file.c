@@ -7,16 +7,16 @@
 
 static PyObject *move(PyObject *args, PyObject *kwds, int write)
 {
-    static char *kwlist[] = {"fd", "row_bytes", "num_rows", "offset", "direct", "path", "rows", "count", "buffer",
-                             "threads", NULL};
-    int fd, direct, threads;
+    static char *kwlist[] = {"fd", "direct_fd", "align", "row_bytes", "num_rows", "offset", "path", "rows", "count",
+                             "buffer", "threads", NULL};
+    int fd, direct_fd, threads;
     long long row_bytes, num_rows, count;
-    unsigned long long offset;
+    unsigned long long offset, align;
     const char *path;
     HEB_ADDRESS(rows);
     HEB_ADDRESS(buffer);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, write ? "$iLLKpsO&LO&i:write_rows" : "$iLLKpsO&LO&i:read_rows",
-                                     kwlist, &fd, &row_bytes, &num_rows, &offset, &direct, &path,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, write ? "$iiKLLKsO&LO&i:write_rows" : "$iiKLLKsO&LO&i:read_rows",
+                                     kwlist, &fd, &direct_fd, &align, &row_bytes, &num_rows, &offset, &path,
                                      heb_address_converter, &rows, &count, heb_address_converter, &buffer, &threads))
         return NULL;
     if (row_bytes <= 0 || count < 0) {
@@ -24,7 +24,7 @@ static PyObject *move(PyObject *args, PyObject *kwds, int write)
                      write ? "write_rows" : "read_rows", row_bytes, count);
         return NULL;
     }
-    he_row_file f = {fd, (size_t)row_bytes, num_rows, offset, direct, path};
+    he_row_file f = {fd, direct_fd, (size_t)align, (size_t)row_bytes, num_rows, offset, path};
     he_status st;
     Py_BEGIN_ALLOW_THREADS
     st = write ? he_row_file_write(&f, rows.ptr, (size_t)count, buffer.ptr, threads)
@@ -58,12 +58,13 @@ static PyObject *heb_inject_io_error(PyObject *mod, PyObject *args)
     Py_RETURN_NONE;
 }
 
-#define ROW_FILE_ARGS "*, fd, row_bytes, num_rows, offset, direct, path, rows, count, buffer, threads"
+#define ROW_FILE_ARGS "*, fd, direct_fd, align, row_bytes, num_rows, offset, path, rows, count, buffer, threads"
 
 static PyMethodDef heb_row_file_methods[] = {
     {"read_rows", HEB_KW_FUNC(heb_read_rows), METH_VARARGS | METH_KEYWORDS,
      "read_rows(" ROW_FILE_ARGS ")\n--\n\nReads `count` rows (int64 ids at `rows`, ascending, distinct) of a table "
-     "file into `buffer`, with up to `threads` requests in flight; OSError naming the row for a failed or short "
+     "file into `buffer`, with up to `threads` requests in flight (through `direct_fd`, the file opened with O_DIRECT, "
+     "with offsets, lengths and memory multiples of `align`, where it is not -1); OSError naming the row for a failed or short "
      "read, a truncated or removed file"},
     {"write_rows", HEB_KW_FUNC(heb_write_rows), METH_VARARGS | METH_KEYWORDS,
      "write_rows(" ROW_FILE_ARGS ")\n--\n\nWrites `count` rows from `buffer` to a table file (as read_rows)"},

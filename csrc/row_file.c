@@ -35,24 +35,29 @@ static int injected(void)
     return error;
 }
 
-typedef struct run {
-    size_t first; /* index into rows */
-    size_t count;
-} run;
+/* What one request moves: rows[first .. first + count), whose bytes lie in
+ * [lo, hi) of the file. Direct: [lo, hi) is whole sectors, moved through
+ * an aligned buffer, and holds every byte of any sector a row of it
+ * touches; otherwise the rows are consecutive and [lo, hi) is theirs. */
+typedef struct span {
+    size_t first, count;
+    uint64_t lo, hi;
+    int direct;
+} span;
 
 typedef struct job {
     const he_row_file *f;
     const int64_t *rows;
     unsigned char *buf; /* the caller's rows, k at buf + k * row_bytes */
     int write;
-    const run *runs;
-    size_t num_runs;
+    const span *spans;
+    size_t num_spans;
     atomic_size_t next;
     atomic_int failed;
     pthread_mutex_t lock;
     /* The first failure: what the caller's message names. */
     int error;        /* errno, or 0 for a short transfer */
-    int64_t row;      /* the run's first row */
+    int64_t row;      /* the span's first row, or -1: no memory */
     uint64_t offset;  /* where the request started */
     size_t want, got; /* its bytes, and how many moved before it stopped */
 } job;
@@ -73,7 +78,7 @@ static void record_failure(job *j, int error, int64_t row, uint64_t offset, size
 
 /* One request: the whole span, retried where the system moved part of it
  * or was interrupted. Returns 0, or -1 with the failure recorded. */
-static int transfer(job *j, unsigned char *mem, size_t bytes, uint64_t offset, int64_t row)
+static int transfer(job *j, int fd, int write, unsigned char *mem, size_t bytes, uint64_t offset, int64_t row)
 {
     size_t done = 0;
     while (done < bytes) {
@@ -82,10 +87,10 @@ static int transfer(job *j, unsigned char *mem, size_t bytes, uint64_t offset, i
         if (error) {
             moved = -1;
             errno = error;
-        } else if (j->write) {
-            moved = pwrite(j->f->fd, mem + done, bytes - done, (off_t)(offset + done));
+        } else if (write) {
+            moved = pwrite(fd, mem + done, bytes - done, (off_t)(offset + done));
         } else {
-            moved = pread(j->f->fd, mem + done, bytes - done, (off_t)(offset + done));
+            moved = pread(fd, mem + done, bytes - done, (off_t)(offset + done));
         }
         if (moved < 0 && errno == EINTR)
             continue;
@@ -98,41 +103,85 @@ static int transfer(job *j, unsigned char *mem, size_t bytes, uint64_t offset, i
     return 0;
 }
 
+/* A direct span through the thread's aligned buffer (grown as spans need:
+ * rows that share sectors make one span, however long their chain). */
+static int move_direct(job *j, const span *s, unsigned char **bounce, size_t *capacity)
+{
+    const he_row_file *f = j->f;
+    size_t bytes = (size_t)(s->hi - s->lo);
+    int64_t row = j->rows[s->first];
+    if (bytes > *capacity) {
+        free(*bounce);
+        *bounce = NULL;
+        *capacity = 0;
+        size_t alignment = f->align > 4096 ? f->align : 4096;
+        if (posix_memalign((void **)bounce, alignment, bytes) != 0) {
+            *bounce = NULL;
+            record_failure(j, ENOMEM, -1, 0, bytes, 0);
+            return -1;
+        }
+        *capacity = bytes;
+    }
+    /* A write whose rows leave bytes of the span to other rows reads the
+     * span first, so those bytes go back as they were. */
+    if ((!j->write || s->count * f->row_bytes != bytes) &&
+        transfer(j, f->direct_fd, 0, *bounce, bytes, s->lo, row) < 0)
+        return -1;
+    for (size_t k = s->first; k < s->first + s->count; k++) {
+        unsigned char *record = *bounce + (f->offset + (uint64_t)j->rows[k] * f->row_bytes - s->lo);
+        unsigned char *mem = j->buf + k * f->row_bytes;
+        if (j->write)
+            memcpy(record, mem, f->row_bytes);
+        else
+            memcpy(mem, record, f->row_bytes);
+    }
+    return j->write ? transfer(j, f->direct_fd, 1, *bounce, bytes, s->lo, row) : 0;
+}
+
 static void *worker(void *arg)
 {
     job *j = arg;
     const he_row_file *f = j->f;
     unsigned char *bounce = NULL;
-    if (f->direct && posix_memalign((void **)&bounce, 4096, RUN_MAX_BYTES) != 0) {
-        record_failure(j, ENOMEM, -1, 0, RUN_MAX_BYTES, 0);
-        return NULL;
-    }
+    size_t capacity = 0;
     for (;;) {
         if (atomic_load(&j->failed))
             break;
         size_t r = atomic_fetch_add(&j->next, 1);
-        if (r >= j->num_runs)
+        if (r >= j->num_spans)
             break;
-        const run *run = &j->runs[r];
-        int64_t row = j->rows[run->first];
-        size_t bytes = run->count * f->row_bytes;
-        uint64_t offset = f->offset + (uint64_t)row * f->row_bytes;
-        unsigned char *mem = j->buf + run->first * f->row_bytes;
-        if (bounce) {
-            /* O_DIRECT moves whole sectors between aligned memory and the
-             * disk; the caller's rows need not be aligned. */
-            if (j->write)
-                memcpy(bounce, mem, bytes);
-            if (transfer(j, bounce, bytes, offset, row) < 0)
-                break;
-            if (!j->write)
-                memcpy(mem, bounce, bytes);
-        } else if (transfer(j, mem, bytes, offset, row) < 0) {
+        const span *s = &j->spans[r];
+        int64_t row = j->rows[s->first];
+        if (s->direct ? move_direct(j, s, &bounce, &capacity) < 0
+                      : transfer(j, f->fd, j->write, j->buf + s->first * f->row_bytes, s->count * f->row_bytes,
+                                 s->lo, row) < 0)
             break;
-        }
     }
     free(bounce);
     return NULL;
+}
+
+/* Spans of rows[from .. to): a row joins the span before it where it
+ * shares a sector with it (it must: one request per sector) or starts the
+ * sector after its end while the span stays under RUN_MAX_BYTES. With
+ * align 1 that is a run of consecutive rows. */
+static size_t plan(const he_row_file *f, const int64_t *rows, size_t from, size_t to, uint64_t align, int direct,
+                   span *out)
+{
+    size_t m = 0;
+    for (size_t k = from; k < to; k++) {
+        uint64_t b0 = f->offset + (uint64_t)rows[k] * f->row_bytes, b1 = b0 + f->row_bytes;
+        uint64_t s0 = b0 / align * align, s1 = (b1 + align - 1) / align * align;
+        span *last = m ? &out[m - 1] : NULL;
+        if (last && (s0 < last->hi || (s0 == last->hi && s1 - last->lo <= RUN_MAX_BYTES))) {
+            last->count++;
+            if (s1 > last->hi)
+                last->hi = s1;
+        } else {
+            out[m++] = (span){k, 1, s0, s1, direct};
+        }
+    }
+    return m;
 }
 
 static he_status check_args(const he_row_file *f, const int64_t *rows, size_t n, const void *buf, const char *what)
@@ -141,10 +190,9 @@ static he_status check_args(const he_row_file *f, const int64_t *rows, size_t n,
         return he_fail(HE_ERR_VALUE, "%s: needs an open file and rows of at least one byte", what);
     if (n && (!rows || !buf))
         return he_fail(HE_ERR_VALUE, "%s: %zu rows need their ids and a buffer", what, n);
-    if (f->direct && (f->row_bytes % HE_ROW_FILE_ALIGN || f->offset % HE_ROW_FILE_ALIGN))
-        return he_fail(HE_ERR_VALUE, "%s: a file opened for direct I/O needs rows and an offset in multiples of %d "
-                       "bytes, got rows of %zu bytes at offset %llu", what, HE_ROW_FILE_ALIGN, f->row_bytes,
-                       (unsigned long long)f->offset);
+    if (f->direct_fd >= 0 && (f->align == 0 || (f->align & (f->align - 1))))
+        return he_fail(HE_ERR_VALUE, "%s: direct I/O needs an alignment that is a power of two, got %zu", what,
+                       f->align);
     if (f->row_bytes > RUN_MAX_BYTES)
         return he_fail(HE_ERR_VALUE, "%s: rows of %zu bytes are over the %zu a request moves", what, f->row_bytes,
                        RUN_MAX_BYTES);
@@ -191,25 +239,34 @@ static he_status move_rows(const he_row_file *f, const int64_t *rows, size_t n, 
     st = check_file(f, what, write);
     if (st != HE_OK)
         return st;
-    size_t per_run = RUN_MAX_BYTES / f->row_bytes;
-    run *runs = malloc(n * sizeof *runs);
-    if (!runs)
+    span *spans = malloc(n * sizeof *spans);
+    if (!spans)
         return he_fail(HE_ERR_NOMEM, "%s: no memory for %zu requests", what, n);
-    size_t num_runs = 0;
-    for (size_t k = 0; k < n; k++) {
-        if (num_runs && rows[k] == rows[k - 1] + 1 && runs[num_runs - 1].count < per_run)
-            runs[num_runs - 1].count++;
-        else
-            runs[num_runs++] = (run){k, 1};
+    /* Direct requests end at the file's last whole sector; the rows past it
+     * (a few at most) go through the page cache, first and from this
+     * thread, so a direct request over a sector they share comes after
+     * them (it writes back the page cache's copy before it reads). */
+    size_t tail = 0, num_direct = 0;
+    if (f->direct_fd >= 0) {
+        tail = n;
+        uint64_t direct_end = (f->offset + (uint64_t)f->num_rows * f->row_bytes) / f->align * f->align;
+        while (tail > 0 && f->offset + (uint64_t)(rows[tail - 1] + 1) * f->row_bytes > direct_end)
+            tail--;
+        num_direct = plan(f, rows, 0, tail, f->align, 1, spans);
     }
-    job j = {.f = f, .rows = rows, .buf = buf, .write = write, .runs = runs, .num_runs = num_runs};
+    size_t num_tail = plan(f, rows, tail, n, 1, 0, spans + num_direct);
+    job j = {.f = f, .rows = rows, .buf = buf, .write = write, .spans = spans + num_direct, .num_spans = num_tail};
     atomic_init(&j.next, 0);
     atomic_init(&j.failed, 0);
     pthread_mutex_init(&j.lock, NULL);
+    worker(&j);
+    j.spans = spans;
+    j.num_spans = num_direct;
+    atomic_store(&j.next, 0);
     size_t helpers = threads > 1 ? (size_t)threads - 1 : 0;
-    if (helpers > num_runs - 1)
-        helpers = num_runs - 1;
-    pthread_t *ids = helpers ? malloc(helpers * sizeof *ids) : NULL;
+    if (helpers + 1 > num_direct)
+        helpers = num_direct > 1 ? num_direct - 1 : 0;
+    pthread_t *ids = helpers && !atomic_load(&j.failed) ? malloc(helpers * sizeof *ids) : NULL;
     size_t started = 0;
     /* Fewer threads than asked (none spare, or no memory for their ids)
      * only means fewer requests in flight: the caller's thread works too. */
@@ -220,7 +277,7 @@ static he_status move_rows(const he_row_file *f, const int64_t *rows, size_t n, 
     for (size_t t = 0; t < started; t++)
         pthread_join(ids[t], NULL);
     free(ids);
-    free(runs);
+    free(spans);
     pthread_mutex_destroy(&j.lock);
     if (!atomic_load(&j.failed))
         return HE_OK;

@@ -10,9 +10,12 @@
  * (here 9.8K reads/s at one, 58K at 16), which a page fault never gives.
  *
  * A file opened with O_DIRECT bypasses the page cache (what is read costs
- * only the records' sectors, not memory the budget counts); its offsets and
- * lengths must then be multiples of HE_ROW_FILE_ALIGN, so the caller opens
- * a file that way only when row_bytes and offset are. */
+ * only the records' sectors, not memory the budget counts); its offsets,
+ * lengths and memory must then be multiples of its alignment. Rows that are
+ * not whole sectors move inside the sectors that hold them: a read takes
+ * those sectors, a write reads them first where they hold bytes of other
+ * rows (read-modify-write). Rows that share a sector are moved by one
+ * thread in one request, so no two requests of a call touch one sector. */
 #ifndef HE_ROW_FILE_H
 #define HE_ROW_FILE_H
 
@@ -21,14 +24,13 @@
 
 #include "he_status.h"
 
-#define HE_ROW_FILE_ALIGN 512
-
 typedef struct he_row_file {
-    int fd;
+    int fd;             /* the file, through the page cache */
+    int direct_fd;      /* the same file opened with O_DIRECT, or -1 */
+    size_t align;       /* direct_fd's alignment of offsets, lengths and memory: a power of two */
     size_t row_bytes;   /* bytes of one row in the file, > 0 */
     int64_t num_rows;   /* rows the file holds */
     uint64_t offset;    /* the file's byte of row 0 */
-    int direct;         /* fd is O_DIRECT: whole sectors, through aligned buffers */
     const char *path;   /* named in error messages */
 } he_row_file;
 

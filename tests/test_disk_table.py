@@ -75,18 +75,37 @@ def test_training_on_disk_gives_the_bits_of_the_table_in_memory(tmp_path, optimi
         assert torch.equal(got[key], expected[key]), key
 
 
+def direct_io_works(directory):
+    probe = os.path.join(directory, "probe")
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+
+
 @pytest.mark.parametrize("dim,dtype", [(40, torch.float32), (64, torch.bfloat16), (40, torch.float16),
-                                       (64, torch.float64)])
+                                       (64, torch.float64), (9, torch.float32)])
 def test_every_dtype_and_rows_that_are_not_whole_sectors_train_the_same(tmp_path, dim, dtype):
-    # 160, 128 and 80 bytes a row: read and written through the page cache;
-    # float64 rows of 512 bytes and their float64 state: direct I/O.
+    # 160, 128 and 80 bytes a row: direct I/O inside the sectors that hold
+    # them (a write reads them first); float64 rows of 512 bytes: whole
+    # sectors; 36 bytes: the page cache. SparseAdam's state as its rows.
     memory = build(dim, dtype)
     memory_opt = hostembed.SparseAdam(memory.parameters(), lr=0.01)
     disk = build(dim, dtype, storage=tmp_path / "t", cache_rows=30)
     disk_opt = hostembed.SparseAdam(disk.parameters(), lr=0.01)
+    weight_file = disk._table.files.row_file_of(disk._table.tensor)
+    direct = dim * dtype.itemsize >= 64 and direct_io_works(tmp_path)
+    assert (weight_file.direct_fd is not None) == direct
     train(memory, memory_opt, 10)
     train(disk, disk_opt, 10)
     assert torch.equal(disk.weight, memory.weight)
+    disk.flush_cache()
+    raw = torch.from_file(str(tmp_path / "t" / "weight.bin"), size=ROWS * dim, dtype=dtype).view(ROWS, dim)
+    assert torch.equal(raw, memory.weight)
 
 
 def test_cpu_outputs_and_a_checkpoint_round_trip(tmp_path):

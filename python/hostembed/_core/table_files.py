@@ -7,8 +7,8 @@ Each file is mapped shared, so the table's weight and state are CPU tensors
 like an in-memory table's and every path that reads or writes them works
 (through the kernel's page cache, at its speed). The row cache in front of
 them (_cache/row_cache.py) moves its records with read_rows/write_rows: the
-core's threads, many requests in flight, O_DIRECT where the rows are whole
-disk sectors (csrc/row_file.h says why not the page cache).
+core's threads, many requests in flight, O_DIRECT for rows of
+DIRECT_MIN_ROW_BYTES or more (csrc/row_file.h says why not the page cache).
 
 Optimizer state files hold the state of one optimizer's life: each is
 removed when the last tensor over it goes (the optimizer's state and the
@@ -20,6 +20,7 @@ the optimizer's state and step; the table files hold the rows.
 import errno
 import fcntl
 import json
+import mmap
 import os
 import weakref
 
@@ -37,6 +38,34 @@ STATE_PREFIX = "state-"
 # (measured here: 9.8K 4 KiB reads/s at 1, 32K at 4, 58K at 16; rows of
 # 512 B: 53K/s read at 8, 69K at 32, 89K at 64).
 IO_THREADS = 64
+# Rows this small (a row-wise optimizer's one value a row) go through the
+# page cache: their file is a small part of the table's bytes, and a
+# sector holds 8 or more of them, so a direct read-modify-write of one
+# would move 8x its bytes.
+DIRECT_MIN_ROW_BYTES = 64
+
+
+def _open_direct(path):
+    """(fd, alignment) of `path` opened with O_DIRECT, or (None, 0) where
+    the file system has no direct I/O. The alignment is the smallest of
+    512 and 4096 that a direct read takes (a 4 KiB-sector drive refuses
+    512)."""
+    if not hasattr(os, "O_DIRECT"):
+        return None, 0
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT)
+    except OSError:  # a file system without direct I/O
+        return None, 0
+    with mmap.mmap(-1, 4096) as page:  # page-aligned memory
+        for align in (512, 4096):
+            try:
+                os.preadv(fd, [memoryview(page)[:align]], 0)
+                return fd, align
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    break
+    os.close(fd)
+    return None, 0
 
 
 def _fsync_dir(path):
@@ -57,7 +86,7 @@ class RowFile:
         self.nbytes = num_rows * self.row_bytes
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
         self.fd = os.open(path, flags, 0o644)
-        self.direct_fd = None
+        self.direct_fd, self.align = None, 0
         try:
             size = os.fstat(self.fd).st_size
             if create and zero_fill:
@@ -69,11 +98,8 @@ class RowFile:
                                  f"tensor needs {self.nbytes}: not this table's file, or cut short")
             # The page cache may keep what the mapping reads, not what the
             # cache's moves read: they go around it where the disk allows.
-            if self.row_bytes % 512 == 0 and hasattr(os, "O_DIRECT"):
-                try:
-                    self.direct_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT)
-                except OSError:  # a file system without direct I/O (tmpfs)
-                    self.direct_fd = None
+            if self.row_bytes >= DIRECT_MIN_ROW_BYTES:
+                self.direct_fd, self.align = _open_direct(path)
             buffer = map_shared(self.fd, self.nbytes) if self.nbytes else _C.HostBuffer(0)
         except BaseException:
             self.close()
@@ -130,9 +156,9 @@ class RowFile:
                                      f"({os.strerror(exc.errno)})") from None
 
     def _move(self, function, rows, buffer):
-        function(fd=self.fd if self.direct_fd is None else self.direct_fd, row_bytes=self.row_bytes,
-                 num_rows=self.num_rows, offset=0, direct=self.direct_fd is not None, path=self.path,
-                 rows=rows.data_ptr(), count=rows.numel(), buffer=buffer.data_ptr(), threads=IO_THREADS)
+        function(fd=self.fd, direct_fd=-1 if self.direct_fd is None else self.direct_fd, align=self.align,
+                 row_bytes=self.row_bytes, num_rows=self.num_rows, offset=0, path=self.path, rows=rows.data_ptr(),
+                 count=rows.numel(), buffer=buffer.data_ptr(), threads=IO_THREADS)
 
     def read(self, rows):
         """The rows (distinct int64 ids, any order) as a new tensor."""
