@@ -14,7 +14,7 @@ from .._core.table import table_of
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
-    """torch.nn.utils.clip_grad_norm_ for parameters whose gradients may be
+    """``torch.nn.utils.clip_grad_norm_`` for parameters whose gradients may be
     sparse COO tensors (hostembed tables, nn.Embedding(sparse=True)).
 
     The total norm is taken over every gradient together, as torch does,
