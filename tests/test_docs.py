@@ -2,7 +2,9 @@
 page documents every public name, and every Python example in README.md and
 the guides runs as written (each in a fresh namespace, in an empty working
 directory). An example whose first line is ``# needs a GPU`` runs where
-CUDA can, and is skipped with that reason elsewhere."""
+CUDA can, and is skipped with that reason elsewhere; its CPU twin (the
+device "cpu" for "cuda") runs everywhere, so the loop it shows is checked
+even where the GPU path cannot be."""
 import os
 import re
 import subprocess
@@ -71,3 +73,11 @@ def test_every_example_runs(block, tmp_path, monkeypatch):
         pytest.skip("the example needs a GPU and CUDA cannot run here")
     monkeypatch.chdir(tmp_path)
     exec(compile(block, "example", "exec"), {"__name__": "__example__"})
+
+
+@pytest.mark.parametrize("block", [b for b in examples() if b.values[0].startswith(NEEDS_GPU)])
+def test_every_gpu_example_runs_as_its_cpu_twin(block, tmp_path, monkeypatch):
+    twin = block.replace('"cuda"', '"cpu"').replace(".is_cuda", ".is_cpu")
+    assert twin != block
+    monkeypatch.chdir(tmp_path)
+    exec(compile(twin, "example (CPU twin)", "exec"), {"__name__": "__example__"})
