@@ -300,7 +300,22 @@ print('made')
     assert done.returncode == 0, done.stderr
     assert "refused: [Errno 27] hostembed: cannot reserve 51200000 bytes" in done.stdout
     assert "made" in done.stdout
-    assert not os.path.exists(tmp_path / "t" / "weight.bin")  # nothing half made is left
+    assert os.listdir(tmp_path / "t") == []  # nothing half made is left: no rows, no description
+    emb = hostembed.Embedding(100_000, 128, storage=tmp_path / "t", cache_rows=10)  # so it is made, given room
+    assert emb.weight.shape == (100_000, 128)
+
+
+def test_sizes_given_as_numpy_integers_make_and_open_a_table(tmp_path):
+    # torch's modules take them (DLRM's script passes numpy.int64 sizes).
+    np = pytest.importorskip("numpy")
+    made = hostembed.EmbeddingBag(np.int64(ROWS), np.int64(16), mode="sum", storage=tmp_path / "t", cache_rows=10)
+    made.flush_cache()
+    rows = made.weight.detach().clone()
+    del made
+    gc.collect()
+    opened = hostembed.EmbeddingBag(np.int64(ROWS), np.int64(16), mode="sum", storage=tmp_path / "t", cache_rows=10)
+    assert torch.equal(opened.weight, rows)
+    assert json.loads((tmp_path / "t" / "table.json").read_text())["num_rows"] == ROWS
 
 
 def test_casts_copies_and_dropping_the_cache_of_a_table_on_disk_are_refused(tmp_path):
@@ -442,6 +457,37 @@ def test_torchs_optimizers_after_a_plain_swap_train_a_table_on_disk_to_the_same_
             opt.step()
     assert disk.cache_stats["fetches"] > 0
     assert torch.equal(disk.weight, memory.weight)
+
+
+@pytest.mark.parametrize("module", ["bags", "rows"])
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_torchs_sgd_on_a_cached_table_moves_only_the_rows_it_steps(tmp_path, module, on_disk):
+    # torch steps host memory (a table on disk: its mapping); the cache then
+    # reads again only the records of the rows torch wrote, and its view of
+    # host memory is current right after the step, not at the next lookup
+    # with every record read again. The uncached table's results.
+    def make(**kwargs):
+        torch.manual_seed(0)
+        if module == "bags":
+            return hostembed.EmbeddingBag(ROWS, 64, mode="sum", **kwargs)
+        return hostembed.Embedding(ROWS, 64, **kwargs)
+
+    memory, cached = make(), make(cache_rows=40, **({"storage": tmp_path / "t"} if on_disk else {}))
+    opts = [torch.optim.SGD(memory.parameters(), lr=0.1), torch.optim.SGD(cached.parameters(), lr=0.1)]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        ids = zipf_ids(ROWS, 128, generator=gen)
+        for emb, opt in zip((memory, cached), opts):
+            opt.zero_grad()
+            out = emb(ids.view(32, 4)) if module == "bags" else emb(ids)
+            (out - 0.5).pow(2).sum().backward()
+            opt.step()
+        assert cached._table.cache.version["weight"] == cached._table.tensor._version
+    assert cached.cache_stats["fetches"] > 0
+    if module == "rows":
+        assert torch.equal(cached.weight, memory.weight)
+    else:  # a cached bag's gradient holds each row once, summed; torch's step sums a row's entries its own way
+        torch.testing.assert_close(cached.weight, memory.weight, rtol=1e-5, atol=1e-5)
 
 
 def test_a_collection_looks_up_a_bag_table_on_disk_with_the_others(tmp_path):

@@ -21,6 +21,7 @@ import errno
 import fcntl
 import json
 import mmap
+import operator
 import os
 import weakref
 
@@ -191,14 +192,24 @@ class TableFiles:
 
     def __init__(self, path, num_rows, dim, dtype):
         self.path = os.fspath(path)
+        # Python ints for table.json: torch's modules take numpy's too
+        # (DLRM's script passes them).
+        num_rows, dim = operator.index(num_rows), operator.index(dim)
         self.num_rows, self.dim, self.dtype = num_rows, dim, dtype
         manifest = os.path.join(self.path, MANIFEST)
         self.created = not os.path.exists(manifest)
         if self.created:
+            # The description last: a directory holds a table once it has
+            # one, so a creation that fails (a full disk) leaves none.
             os.makedirs(self.path, exist_ok=True)
-            self._write_manifest(clean=False)
             self.weight = RowFile(os.path.join(self.path, WEIGHT_FILE), num_rows, dim, dtype, create=True)
-            self._lock()
+            try:
+                self._lock()
+                self._write_manifest(clean=False)
+            except BaseException:
+                self.weight.close()
+                os.unlink(self.weight.path)
+                raise
         else:
             self._check_manifest(manifest, opened=False)
             self.weight = RowFile(os.path.join(self.path, WEIGHT_FILE), num_rows, dim, dtype, create=False)
@@ -252,11 +263,16 @@ class TableFiles:
                 "dtype": dtype_name(self.dtype), "weight": WEIGHT_FILE, "clean": clean}
         target = os.path.join(self.path, MANIFEST)
         temporary = target + ".tmp"
-        with open(temporary, "w") as f:
-            json.dump(info, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, target)
+        try:
+            with open(temporary, "w") as f:
+                json.dump(info, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, target)
+        except BaseException:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+            raise
         _fsync_dir(self.path)
 
     def _remove_state_files(self):
