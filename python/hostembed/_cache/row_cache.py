@@ -186,6 +186,26 @@ class RowCache:
             self.dirty.discard(key)
             self.version[key] = host._version
 
+    def host_rows_written(self, key: str, rows: Tensor) -> None:
+        """torch wrote `rows` of host tensor `key` in place, and nothing
+        else since the cache last saw it (a torch optimizer's step on the
+        row-sparse gradient): the records of those rows are read again
+        from host memory (a table on disk: its mapping, where the write
+        is), not every record, as _sync would for a write it cannot see
+        the rows of. Anything else (a write besides, newer records, GPU
+        records) is left to _sync."""
+        host = self.host.get(key)
+        if host is None or self.device.type != "cpu" or key in self.stale or key in self.dirty \
+                or host._version != self.version[key] + 1:
+            return
+        rows = torch.unique(rows.cpu())
+        slots = self.planner.slots_of(rows).long()
+        # A slot planned a step ahead may not hold its row yet: its fetch
+        # reads host memory after this step anyway.
+        held = (slots >= 0) & (self.row_of_slot[slots.clamp(min=0)] == rows)
+        self.cached[key][slots[held]] = host[rows[held]]
+        self.version[key] = host._version
+
     def _seen(self):
         """Our own writes of host tensors (write-backs) are not news."""
         for key, host in self.host.items():

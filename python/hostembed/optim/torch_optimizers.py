@@ -52,6 +52,9 @@ SPARSE, ADAM, HOST, DENSE = "sparse", "adam", "host", "dense"
 # pre-hook took from torch's view, by optimizer (weakly: a dropped
 # optimizer takes its entry along).
 _taken = weakref.WeakKeyDictionary()
+# Tables with a row cache that torch steps itself (the sparse way), and the
+# rows of their gradients, by optimizer.
+_written = weakref.WeakKeyDictionary()
 
 
 def route(optimizer, group, table, closure=None) -> str:
@@ -87,7 +90,8 @@ def _before_step(optimizer, args, kwargs):
     for p, _, _, grad in _taken.pop(optimizer, ()):
         if p.grad is None:
             p.grad = grad
-    taken = []
+    _written.pop(optimizer, None)  # its rows were never written
+    taken, written = [], []
     for group in optimizer.param_groups:
         for p in group["params"]:
             table = table_of(p)
@@ -100,13 +104,22 @@ def _before_step(optimizer, args, kwargs):
                 taken.append((p, table, group, p.grad))
             elif way == DENSE:
                 _make_dense(optimizer, p, table)
+            elif table.cache is not None and p.grad is not None and p.grad.is_sparse:
+                written.append((table, p.grad._indices()[0]))
     if taken:
         for p, _, _, _ in taken:
             p.grad = None  # torch's step skips a parameter without a gradient
         _taken[optimizer] = taken
+    if written:
+        _written[optimizer] = written
 
 
 def _after_step(optimizer, args, kwargs):
+    # Cached tables torch stepped in host memory: their cache reads again
+    # the records of the rows torch wrote, not every record.
+    for table, rows in _written.pop(optimizer, ()):
+        with table.lock:
+            table.cache.host_rows_written("weight", rows)
     taken = _taken.pop(optimizer, None)
     if not taken:
         return
