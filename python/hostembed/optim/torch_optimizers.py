@@ -104,7 +104,7 @@ def _before_step(optimizer, args, kwargs):
                 taken.append((p, table, group, p.grad))
             elif way == DENSE:
                 _make_dense(optimizer, p, table)
-            elif table.cache is not None and p.grad is not None and p.grad.is_sparse:
+            elif way == SPARSE and table.cache is not None and p.grad is not None and p.grad.is_sparse:
                 written.append((table, p.grad._indices()[0]))
     if taken:
         for p, _, _, _ in taken:
