@@ -1,241 +1,325 @@
-"""The training step through the row cache on the reference stream: ms per
-step with its phases, hit rate, bytes over PCIe and the host's waits for
-the device, for caches of several sizes and without a cache, next to the
-published figures for the same stream.
+"""The training step through the row cache on the anchors' own protocols:
+ms a step with its phases, hit rate, bytes over PCIe a step against the
+minimum and the host's waits for the device, without a cache and with
+caches of several sizes, for float32 and compact optimizer state.
 
-The stream (the field's reference, as in NVIDIA recsys-examples'
-dynamicemb benchmark): D=128 float32, --batch lookups a step (10 x 104,857
-folded into one table), PowerLaw(--alpha 1.05) over --rows rows (60M).
-Two kinds of batches (--modes): "replay", --stream distinct batches
-replayed (the published figures' set-up), and "fresh", a new batch every
-step (training: batches never repeat). Each cache size is a fraction of
-the rows the run touches (warm-up and timed steps). One SparseAdam step =
-forward (ids on the device), backward, step(); fused (the update in
-backward) unless --unfused; with --prefetch the next batch is planned
-(on the GPU: deduplicated, planned, its records moved) while this one's
-step is still to come. Timed from the first call to the device sync after
-step(), medians over --steps after --warmup steps; then --steps more with
-a device sync after each phase, for the phases' medians.
+Protocols (--protocols; the streams and where each was read from are in
+benchmarks/_anchor_streams.py):
+  dynamicemb  NVIDIA dynamicemb's caching benchmark: 10 tables, 104,857
+              PowerLaw(1.05) ids each a step, 100 batches drawn once, an
+              untimed pass, then the timed pass over the same 100; Adam;
+              the cache a fraction of the rows the 100 batches touch.
+              Its published figures (H100, Adam) stand beside ours.
+  fbgemm      FBGEMM's TBE cache benchmark: 32 tables of 100K rows, bags of
+              20, fresh batches with 10% of positions reused, Zipf(1.15),
+              exact row-wise Adagrad; the cache a fraction of all rows
+              (its cache_load_factor, 0.2). Run with Adam too (--optimizers).
+  fresh       hostembed's reference stream, a new batch every step (60M
+              rows, 1,048,570 Zipf(1.05) ids); the cache a fraction of the
+              rows the run touches.
+  replayed    the same stream, 10 batches cycled.
 
-Reported per size: ms/step and its phases; hit rate; bytes over PCIe a
-step (records moved: a record is a row and its two Adam state rows, in and
-back; and the rows that bypass the cache: read for the forward, read and
-written by the update), against the minimum: the records of the rows the
-step is the first of the timed steps to touch, in and out once; rows that
-bypass the cache; the host's waits for the device a step (the cache's
-count). One table (and its state) is allocated once and the cache rebuilt
-on it for each size (Embedding.cache_rows).
+A step: forward (ids on the device), backward, step(), with the update
+fused in backward unless --unfused; with a cache and one row an id, the
+next batch is planned (dedup, misses, evictions) during this step
+(--no-plan-ahead to turn it off). The timed steps each end in a device
+sync; the phases are timed by events between them (no extra sync). The
+protocols' own figures are means, ours are printed as median and mean.
+
+JSON (--json; default benchmarks/results/<device>-<date>/cache_protocols.json):
+a list of rows {"protocol", "cache" (fraction; 0 for none), "state",
+"optimizer", "ms_per_step" (median), "mean_ms", "device", "date", the
+phases, hit rate, bytes and waits}.
 
 Usage (after `pip install .`; a GPU for the real figures):
-    python benchmarks/cache_step.py [--device cuda --rows 60000000 --fractions 1,0.8,0.2,0.05]
-On the CPU (--device cpu) the records are host memory: a check of the
-harness, not a figure to compare.
+    python benchmarks/cache_step.py [--protocols dynamicemb,fbgemm,fresh,replayed --states float32,int8]
+On the CPU (--device cpu, with --scale 0.001 or so) the records are host
+memory: a check of the harness, not a figure to compare.
 """
 import argparse
+import datetime
+import gc
+import json
 import os
+import re
 import time
 
 import numpy as np
 import torch
 
-from _common import RESULTS_DIR, ZipfIds, fmt_ms, log, machine_info, require_hostembed, summarize_ms, write_json
+import _anchor_streams as streams
+from _common import RESULTS_DIR, log, machine_info, require_hostembed, write_json
 
 hostembed = require_hostembed()
 from hostembed.nn.host_module import UNINITIALISED  # noqa: E402  (after the build check above)
 
-# Published, same stream, H100, Adam (recsys-examples dynamicemb
-# benchmark_results.json): ms/step.
+PROTOCOLS = ("dynamicemb", "fbgemm", "fresh", "replayed")
+# Published for dynamicemb's protocol (recsys-examples, benchmark_results.json,
+# H100 80GB HBM3, Adam, the caching suite): mean ms of forward + backward.
 PUBLISHED = {
-    "TorchRec/FBGEMM TBE, weights in host memory (UVM)": 24.05,
-    "TorchRec/FBGEMM TBE, HBM cache of every touched row (state in host memory)": 14.37,
-    "NVIDIA dynamicemb, HBM cache with state, cfr 1.0": 12.28,
-    "dynamicemb, cfr 0.8": 24.33,
-    "TorchRec/FBGEMM TBE, cfr 0.8": 15.00,
-    "everything in HBM (TBE)": 1.35,
+    1.0: {"NVIDIA dynamicemb": 12.284, "TorchRec/FBGEMM TBE (Adam state in host memory)": 14.370},
+    0.8: {"NVIDIA dynamicemb": 24.333, "TorchRec/FBGEMM TBE (Adam state in host memory)": 15.001},
 }
-STATE_ROWS = 2  # SparseAdam: exp_avg, exp_avg_sq
+FRACTIONS = {"dynamicemb": "1,0.8", "fbgemm": "0.2,1", "fresh": "1,0.8,0.2,0.05", "replayed": "1,0.8,0.2,0.05"}
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
+def state_bytes(optimizer, state, dim):
+    """Bytes of optimizer state a row (8-bit moments keep a float32 scale a row)."""
+    if optimizer == "rowwise_adagrad":
+        return 4
+    return {"float32": 8 * dim, "bfloat16": 4 * dim, "int8": 2 * dim + 8}[state]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--rows", type=int, default=60_000_000, help="table rows")
-    p.add_argument("--batch", type=int, default=1_048_570, help="lookups per step")
-    p.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--stream", type=int, default=10, help="distinct batches, replayed (mode replay)")
-    p.add_argument("--modes", default="replay,fresh", help="replay: --stream batches over and over; fresh: a new "
-                   "batch every step")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--fractions", default="1,0.8,0.2,0.05", help="cache sizes: fractions of the touched rows")
-    p.add_argument("--no-baseline", action="store_true", help="skip the uncached run")
+    p.add_argument("--protocols", default=",".join(PROTOCOLS))
+    p.add_argument("--states", default="float32", help="Adam's state: float32, bfloat16, int8 (comma-separated)")
+    p.add_argument("--optimizers", default="", help="override each protocol's optimizer: adam, rowwise_adagrad "
+                   "(comma-separated; default: the protocol's own)")
+    p.add_argument("--fractions", default="", help="cache sizes for every protocol (default: each protocol's, "
+                   + "; ".join(f"{k} {v}" for k, v in FRACTIONS.items()) + ")")
+    p.add_argument("--no-baseline", action="store_true", help="skip the run without a cache")
+    p.add_argument("--scale", type=float, default=1.0, help="rows and ids a step times this (for checks)")
+    p.add_argument("--batches", type=int, default=100, help="dynamicemb: batches drawn (each pass)")
+    p.add_argument("--iters", type=int, default=100, help="fbgemm: timed batches (as many warm-up)")
+    p.add_argument("--warmup", type=int, default=10, help="fresh/replayed: warm-up steps")
+    p.add_argument("--steps", type=int, default=20, help="fresh/replayed: timed steps")
     p.add_argument("--unfused", action="store_true", help="backward, then step() (default: fused)")
-    p.add_argument("--prefetch", action="store_true", help="plan each batch a step ahead")
+    p.add_argument("--no-plan-ahead", action="store_true", help="do not plan the next batch during a step")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=os.path.join(RESULTS_DIR, "cache_step.json"))
+    p.add_argument("--json", default=None)
+    p.add_argument("--append", action="store_true", help="add to the rows --json holds already")
     args = p.parse_args(argv)
-    args.fractions = [float(x) for x in args.fractions.split(",") if x]
-    args.modes = [m for m in args.modes.split(",") if m]
-    if not args.modes or set(args.modes) - {"replay", "fresh"}:
-        p.error("--modes: replay, fresh or both")
-    if min(args.rows, args.batch, args.dim, args.steps, args.stream) < 1 or args.warmup < 0 or \
-            not all(0 < f <= 1 for f in args.fractions):
-        p.error("sizes must be >= 1 and fractions in (0, 1]")
+    args.protocols = [x for x in args.protocols.split(",") if x]
+    args.states = [x for x in args.states.split(",") if x]
+    args.optimizers = [x for x in args.optimizers.split(",") if x]
+    if not args.protocols or set(args.protocols) - set(PROTOCOLS):
+        p.error(f"--protocols: some of {', '.join(PROTOCOLS)}")
+    if not args.states or set(args.states) - set(STATE_DTYPES):
+        p.error(f"--states: some of {', '.join(STATE_DTYPES)}")
+    if set(args.optimizers) - {"adam", "rowwise_adagrad"}:
+        p.error("--optimizers: adam, rowwise_adagrad")
+    try:
+        args.fractions = [float(x) for x in args.fractions.split(",") if x] or None
+    except ValueError:
+        p.error(f"--fractions: numbers in (0, 1], got {args.fractions!r}")
+    if args.fractions and not all(0 < f <= 1 for f in args.fractions):
+        p.error("--fractions: numbers in (0, 1]")
+    if min(args.batches, args.iters, args.steps) < 1 or args.warmup < 0 or not args.scale > 0:
+        p.error("--batches, --iters, --steps must be >= 1, --warmup >= 0, --scale > 0")
     return args
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def device_label(device):
+    """'h100', 'h200', ... from the GPU's name; 'cpu' for the CPU."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    found = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name)
+    return (found.group(1) if found else name.split()[-1]).lower()
 
 
-def run(emb, opt, order, grad_out, args, device):
-    """(ms/step summary, phases' medians, cache stats a timed step or None,
-    the cache's host waits a timed step or None) over the batches in
-    `order` (warm-up, timed, phases, and one more for the last prefetch)."""
-    prefetch = args.prefetch and (emb.cache_rows or device.type == "cpu")
-
-    def step(i, marks=None):
-        out = emb(order[i])
-        mark(marks)
-        out.backward(grad_out)
-        if prefetch:
-            # Planned ahead in the cache; without one, prefetch is for CPU outputs.
-            emb.prefetch(order[i + 1])
-        mark(marks)
-        opt.step()
-        opt.zero_grad()
-        mark(marks)
-
-    def mark(marks):
-        if marks is not None:
-            synchronize(device)
-            marks.append(time.perf_counter())
-
-    if prefetch:
-        emb.prefetch(order[0])
-    for i in range(args.warmup):
-        step(i)
-    synchronize(device)
-    cache = emb._table.cache
-    before, waits = emb.cache_stats, None if cache is None else getattr(cache, "host_waits", None)
-    seconds = []
-    for i in range(args.warmup, args.warmup + args.steps):
-        t0 = time.perf_counter()
-        step(i)
-        synchronize(device)
-        seconds.append(time.perf_counter() - t0)
-    if waits is not None:
-        waits = (cache.host_waits - waits) / args.steps
-    after = emb.cache_stats
-    stats = None if after is None else {k: (after[k] - before[k]) / args.steps for k in after}
-    phases = {"forward": [], "backward": [], "step": []}
-    for i in range(args.warmup + args.steps, args.warmup + 2 * args.steps):
-        marks = [time.perf_counter()]
-        step(i, marks)
-        for name, t0, t1 in zip(phases, marks, marks[1:]):
-            phases[name].append((t1 - t0) * 1e3)
-    return summarize_ms(seconds), {k: float(np.median(v)) for k, v in phases.items()}, stats, waits
+def workload(protocol, args, device):
+    if protocol == "dynamicemb":
+        return streams.dynamicemb(args.scale, args.batches, seed=args.seed, device=device)
+    if protocol == "fbgemm":
+        return streams.fbgemm(args.scale, args.iters, seed=args.seed, device=device)
+    return streams.reference(protocol, args.scale, args.warmup, args.steps, seed=args.seed, device=device)
 
 
-def first_touches(order, args):
-    """Rows the timed steps are the first to touch, per step, and the rows
-    the run touches."""
-    seen = np.zeros(args.rows, dtype=bool)
-    for i in range(args.warmup):
-        seen[order[i].cpu().numpy()] = True
+def cache_base(w):
+    """The rows a cache fraction is of: those the run touches; for
+    FBGEMM's protocol, every row (its cache_load_factor)."""
+    if w.protocol == "fbgemm":
+        return w.rows
+    seen = torch.zeros(w.rows, dtype=torch.bool, device=w.batches[0].device)
+    for i in set(w.warmup) | set(w.timed) | {w.after}:
+        seen[w.batches[i]] = True
+    return int(seen.sum())
+
+
+def first_touches(w):
+    """Rows a timed step is the first step to touch, per timed step."""
+    seen = torch.zeros(w.rows, dtype=torch.bool, device=w.batches[0].device)
+    for i in w.warmup:
+        seen[w.batches[i]] = True
     first = 0
-    for i in range(args.warmup, args.warmup + args.steps):
-        rows = torch.unique(order[i].cpu()).numpy()
+    for i in w.timed:
+        rows = torch.unique(w.batches[i])
         first += int((~seen[rows]).sum())
         seen[rows] = True
-    for b in order:
-        seen[b.cpu().numpy()] = True
-    return first / args.steps, int(seen.sum())
+    return first / len(w.timed)
+
+
+def build(w, optimizer, state, args, device):
+    if w.bag_size:
+        module = hostembed.EmbeddingBag(w.rows, w.dim, mode="sum", device=device, _weight=UNINITIALISED)
+    else:
+        module = hostembed.Embedding(w.rows, w.dim, device=device, _weight=UNINITIALISED)
+    fused = not args.unfused
+    if optimizer == "adam":
+        opt = hostembed.SparseAdam(module.parameters(), lr=w.lr, fused=fused, state_dtype=STATE_DTYPES[state])
+    else:
+        opt = hostembed.RowWiseAdagrad(module.parameters(), lr=w.lr, eps=1e-8, fused=fused)
+    return module, opt
+
+
+class Clock:
+    """Phase marks: CUDA events on a GPU (no sync inside a step), the host's
+    clock on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def ms(self, a, b):
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+
+def run(module, opt, w, grad_out, plan_ahead, device):
+    """One pass of warm-up steps, then the timed steps: per timed step its
+    wall ms and its phases' ms; the cache's counts and host waits a step."""
+    clock = Clock(device)
+    order = w.warmup + w.timed + [w.after]
+    inputs = (lambda i: w.batches[i].view(-1, w.bag_size)) if w.bag_size else (lambda i: w.batches[i])
+    cache = module._table.cache
+    plan_ahead = plan_ahead and cache is not None and not w.bag_size
+
+    def step(k):
+        marks = [clock.mark()]
+        out = module(inputs(order[k]))
+        marks.append(clock.mark())
+        out.backward(grad_out)
+        if plan_ahead:
+            module.prefetch(inputs(order[k + 1]))
+        marks.append(clock.mark())
+        opt.step()
+        opt.zero_grad()
+        marks.append(clock.mark())
+        return marks
+
+    if plan_ahead:
+        module.prefetch(inputs(order[0]))
+    for k in range(len(w.warmup)):
+        step(k)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    before, waits = module.cache_stats, getattr(cache, "host_waits", None)
+    wall, all_marks = [], []
+    for k in range(len(w.warmup), len(w.warmup) + len(w.timed)):
+        t0 = time.perf_counter()
+        all_marks.append(step(k))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall.append((time.perf_counter() - t0) * 1e3)
+    phases = {name: float(np.median([clock.ms(m[j], m[j + 1]) for m in all_marks]))
+              for j, name in enumerate(("forward", "backward", "step"))}
+    after = module.cache_stats
+    stats = None if after is None else {k: (after[k] - before[k]) / len(w.timed) for k in after}
+    if waits is not None:
+        waits = (cache.host_waits - waits) / len(w.timed)
+    return wall, phases, stats, waits
+
+
+def measure(w, optimizer, state, args, device, today):
+    """Rows of the report for one workload, optimizer and state form."""
+    module, opt = build(w, optimizer, state, args, device)
+    out_rows = w.bag_size and len(w.batches[0]) // w.bag_size or len(w.batches[0])
+    grad_out = torch.randn(out_rows, w.dim, generator=torch.Generator().manual_seed(args.seed)).to(device)
+    base, first = cache_base(w), first_touches(w)
+    weight_bytes = w.dim * 4
+    record = weight_bytes + state_bytes(optimizer, state, w.dim)
+    unique = w.notes["unique_per_step"]
+    fractions = args.fractions or [float(x) for x in FRACTIONS[w.protocol].split(",")]
+    rows = []
+    for fraction in ([] if args.no_baseline else [0.0]) + fractions:
+        module.cache_rows = max(1, int(round(fraction * base))) if fraction else None
+        wall, phases, stats, waits = run(module, opt, w, grad_out, not args.no_plan_ahead, device)
+        row = {"protocol": w.protocol, "cache": fraction, "state": state, "optimizer": optimizer,
+               "ms_per_step": float(np.median(wall)), "mean_ms": float(np.mean(wall)),
+               "min_ms": float(np.min(wall)), "max_ms": float(np.max(wall)), "steps": len(wall),
+               "device": device_label(device), "date": today, "phases_ms": phases, "table_rows": w.rows,
+               "cache_rows": module.cache_rows or 0, "cache_of_rows": base, "unique_per_step": unique,
+               "first_touch_per_step": first, "record_bytes": record, "host_waits_per_step": waits,
+               "minimum_bytes_per_step": first * record}
+        if stats is None:
+            # Modelled: the forward reads each unique row's weight, the update
+            # reads and writes its record.
+            row.update(hit_rate=None, bypassed_per_step=unique, records_on=None,
+                       pcie_bytes_per_step=unique * (weight_bytes + 2 * record))
+        else:
+            moved = stats["fetched_bytes"] + stats["written_back_bytes"]
+            row.update(hit_rate=stats["hits"] / max(stats["rows"], 1), bypassed_per_step=stats["bypassed"],
+                       records_on=str(module._table.cache.device), record_bytes_moved_per_step=moved,
+                       pcie_bytes_per_step=moved + stats["bypassed"] * (weight_bytes + 2 * record), stats=stats)
+        rows.append(row)
+        log(f"{w.protocol}, {optimizer} {state}, cache {fraction:g}: median {row['ms_per_step']:.2f} ms, "
+            f"mean {row['mean_ms']:.2f} ms" + ("" if row["hit_rate"] is None else f", hits {row['hit_rate']:.1%}"))
+    module.cache_rows = None
+    del module, opt
+    gc.collect()
+    return rows
+
+
+def print_table(w, rows):
+    n = w.notes
+    print(f"\n## {w.protocol} protocol, {rows[0]['device']}: {w.rows:,} table rows, "
+          f"{n['unique_per_step']:,.0f} unique rows a step, D={w.dim}"
+          + (f", sum bags of {w.bag_size}" if w.bag_size else "") + f"; {n}\n")
+    print("| optimizer, state | cache (rows) | ms/step median | mean | fwd / bwd / step ms | hit rate "
+          "| bypassed/step | PCIe MiB/step | minimum MiB/step | host waits/step |")
+    print("|---|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        cache = "none" if not r["cache"] else f"{r['cache']:g} ({r['cache_rows']:,})"
+        p = r["phases_ms"]
+        hit = "" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}"
+        waits = "" if r["host_waits_per_step"] is None else f"{r['host_waits_per_step']:.2f}"
+        print(f"| {r['optimizer']}, {r['state']} | {cache} | {r['ms_per_step']:.2f} | {r['mean_ms']:.2f} | "
+              f"{p['forward']:.2f} / {p['backward']:.2f} / {p['step']:.2f} | {hit} | {r['bypassed_per_step']:,.0f} | "
+              f"{r['pcie_bytes_per_step'] / 2**20:,.1f} | {r['minimum_bytes_per_step'] / 2**20:,.1f} | {waits} |")
+    if w.protocol == "dynamicemb":
+        for fraction, figures in PUBLISHED.items():
+            print(f"\nPublished on this protocol, cache {fraction:g}, H100, Adam (mean ms/step): "
+                  + "; ".join(f"{k} {v}" for k, v in figures.items()))
 
 
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
-    draw = ZipfIds(args.rows, args.alpha, np.random.default_rng(args.seed))
-    count = args.warmup + 2 * args.steps + 1
-    orders = {}
-    for mode in args.modes:
-        distinct = args.stream if mode == "replay" else count
-        log(f"{mode}: drawing {distinct} batches of {args.batch:,} Zipf({args.alpha}) ids over {args.rows:,} rows")
-        batches = [draw.draw(args.batch).to(device) for _ in range(distinct)]
-        orders[mode] = [batches[i % distinct] for i in range(count)]
-    del draw
-    grad_out = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(args.seed)).to(device)
-    # Zeros: the values do not change the timing, and drawing 60M x 128
-    # normals would take longer than the benchmark.
-    emb = hostembed.Embedding(args.rows, args.dim, device=device, _weight=UNINITIALISED)
-    opt = hostembed.SparseAdam(emb.parameters(), lr=1e-3, fused=not args.unfused)
-    record = (1 + STATE_ROWS) * args.dim * 4
-    report = {"machine": machine_info(), "args": {k: v for k, v in vars(args).items() if k != "json"},
-              "published_ms": PUBLISHED, "modes": {}}
-    for mode, order in orders.items():
-        first, touched = first_touches(order, args)
-        unique = float(np.mean([torch.unique(b).numel() for b in order[args.warmup:args.warmup + args.steps]]))
-        log(f"{mode}: {touched:,} rows touched, {unique:,.0f} unique a step, {first:,.0f} first touched a step; "
-            f"table {args.rows * args.dim * 4 / 2**30:.1f} GiB")
-        result = report["modes"][mode] = {"touched_rows": touched, "unique_per_step": unique,
-                                          "first_touch_per_step": first, "sizes": {}}
-        if not args.no_baseline:
-            emb.cache_rows = None
-            ms, phases, _, _ = run(emb, opt, order, grad_out, args, device)
-            result["no_cache"] = {"step": ms, "phases_ms": phases,
-                                  "pcie_bytes_per_step": unique * args.dim * 4 * 7}
-            log(f"{mode}, no cache: {fmt_ms(ms['median_ms'])} ms/step")
-        for fraction in args.fractions:
-            emb.cache_rows = max(1, int(round(fraction * touched)))
-            ms, phases, stats, waits = run(emb, opt, order, grad_out, args, device)
-            moved = stats["fetched_bytes"] + stats["written_back_bytes"]
-            # A bypassed row: read for the forward, read and written (w, m, v) by the update.
-            bypass_bytes = stats["bypassed"] * args.dim * 4 * 7
-            result["sizes"][f"{fraction:g}"] = {
-                "capacity": emb.cache_rows, "step": ms, "phases_ms": phases, "hit_rate": stats["hits"] / stats["rows"],
-                "bypassed_per_step": stats["bypassed"], "record_bytes_per_step": moved,
-                "pcie_bytes_per_step": moved + bypass_bytes, "minimum_bytes_per_step": 2 * first * record,
-                "host_waits_per_step": waits, "records_on": str(emb._table.cache.device), **stats}
-            log(f"{mode}, cache {fraction:.0%} ({emb.cache_rows:,} rows): {fmt_ms(ms['median_ms'])} ms/step, "
-                f"hits {stats['hits'] / stats['rows']:.1%}")
-        emb.cache_rows = None
-        print_report(args, mode, result)
-    print_published()
-    write_json(args.json, report)
-
-
-def print_report(args, mode, r):
-    print(f"\n## row cache, {mode} batches: {args.batch:,} PowerLaw({args.alpha}) lookups a step over "
-          f"{args.rows:,} rows, D={args.dim}, SparseAdam{' (fused)' if not args.unfused else ''}"
-          f"{', planned a step ahead' if args.prefetch else ''}, {args.device}")
-    print(f"{r['touched_rows']:,} rows touched, {r['unique_per_step']:,.0f} unique a step, "
-          f"{r['first_touch_per_step']:,.0f} first touched a step\n")
-    print("| cache (of touched rows) | ms/step (median) | forward / backward / step ms | hit rate | bypassed rows/step "
-          "| PCIe MiB/step | minimum MiB/step | host waits/step |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
-
-    def phases(p):
-        return " / ".join(f"{p[k]:.2f}" for k in ("forward", "backward", "step"))
-
-    if "no_cache" in r:
-        n = r["no_cache"]
-        print(f"| none | {fmt_ms(n['step']['median_ms'])} | {phases(n['phases_ms'])} | | "
-              f"{r['unique_per_step']:,.0f} | {n['pcie_bytes_per_step'] / 2**20:,.1f} | | |")
-    for fraction, s in r["sizes"].items():
-        waits = "" if s["host_waits_per_step"] is None else f"{s['host_waits_per_step']:.2f}"
-        print(f"| {float(fraction):.0%} ({s['capacity']:,} rows) | {fmt_ms(s['step']['median_ms'])} | "
-              f"{phases(s['phases_ms'])} | {s['hit_rate']:.1%} | {s['bypassed_per_step']:,.0f} | "
-              f"{s['pcie_bytes_per_step'] / 2**20:,.1f} | {s['minimum_bytes_per_step'] / 2**20:,.1f} | {waits} |")
-
-
-def print_published():
-    print("\nPublished, same stream (replayed), H100, Adam (ms/step):")
-    for name, ms in PUBLISHED.items():
-        print(f"- {name}: {ms}")
+    today = datetime.date.today().isoformat()
+    path = args.json or os.path.join(RESULTS_DIR, f"{device_label(device)}-{today}", "cache_protocols.json")
+    rows = []
+    if args.append and os.path.exists(path):
+        with open(path) as f:
+            rows = json.load(f)
+    for protocol in args.protocols:
+        t0 = time.perf_counter()
+        w = workload(protocol, args, device)
+        log(f"{protocol}: {len(w.batches)} batches drawn in {time.perf_counter() - t0:.1f} s; "
+            f"{w.rows:,} rows; {w.notes}")
+        these = []
+        for optimizer in args.optimizers or [w.optimizer]:
+            for state in (args.states if optimizer == "adam" else ["float32"]):
+                these += measure(w, optimizer, state, args, device, today)
+                write_json(path, rows + these)  # kept as it grows: a run cut short keeps what it measured
+        rows += these
+        print_table(w, these)
+        del w
+        gc.collect()
+    write_json(path, rows)
+    write_json(os.path.join(os.path.dirname(path), "cache_protocols_machine.json"),
+               {"machine": machine_info(), "args": {k: v for k, v in vars(args).items() if k != "json"}})
+    log(f"wrote {path}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -188,12 +188,22 @@ fi
 if (( BUILT )); then
     run import 60 "$PY" -c "import hostembed as h; print(h.__file__, 'cuda_compiled', h.cuda_compiled(), 'cuda_available', h.cuda_available()); assert h.cuda_available()"
     # The most telling stages first: a short lease may end before the rest.
+    # The row cache on the anchors' protocols (benchmarks/_anchor_streams.py):
+    # dynamicemb's, beside its published figures, and fresh batches; the
+    # rows go to cache_protocols.json, which later stages add to.
+    run protocols 240 "$PY" benchmarks/cache_step.py --protocols dynamicemb,fresh --json "$OUT/cache_protocols.json"
     # The row cache in GPU memory: its tests, its planner against the CPU's
-    # (recorded for CI's replay, tests/fixtures/gpu_cache_plans.pt), the
-    # reference stream, the seeds' model with and without a cache.
+    # (recorded for CI's replay, tests/fixtures/gpu_cache_plans.pt), FBGEMM's
+    # protocol (its row-wise Adagrad and Adam), replayed batches and compact
+    # state, the seeds' model with and without a cache.
     run cache_gpu_tests 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_cache_gpu.py
     run plan_record 60 "$PY" benchmarks/cache_plan_record.py "$OUT/gpu_cache_plans.pt"
-    run cache_benchmark 330 "$PY" benchmarks/cache_step.py --rows "$ROWS" --prefetch --json "$OUT/cache_step.json"
+    run protocols_fbgemm 150 "$PY" benchmarks/cache_step.py --protocols fbgemm --optimizers rowwise_adagrad,adam \
+        --append --json "$OUT/cache_protocols.json"
+    run protocols_replayed 120 "$PY" benchmarks/cache_step.py --protocols replayed --append \
+        --json "$OUT/cache_protocols.json"
+    run protocols_compact 240 "$PY" benchmarks/cache_step.py --protocols dynamicemb,fresh --states bfloat16,int8 \
+        --no-baseline --append --json "$OUT/cache_protocols.json"
     run compare 200 "$PY" benchmarks/compare.py --cache-fraction "${CACHE_FRACTION:-1}" --out "$OUT/compare"
     run gpu_tests 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --durations 15
     SANITIZER=${SANITIZER:-$(command -v compute-sanitizer)}
@@ -244,7 +254,9 @@ done
 grep -H "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT/sanitizer.log" "$OUT/racecheck.log" 2>/dev/null
 [[ -f $OUT/benchmark.log ]] && sed -n '/^## hostembed GPU path/,$p' "$OUT/benchmark.log"
 [[ -f $OUT/plan_record.log ]] && cat "$OUT/plan_record.log"
-[[ -f $OUT/cache_benchmark.log ]] && sed -n '/^## row cache/,$p' "$OUT/cache_benchmark.log"
+for name in protocols protocols_fbgemm protocols_replayed protocols_compact; do
+    [[ -f $OUT/$name.log ]] && sed -n '/^## /,$p' "$OUT/$name.log" | grep -v '^wrote '
+done
 [[ -f $OUT/compare.log ]] && grep -E '^\| [0-9]\.' "$OUT/compare.log"
 if (( FAILED )); then
     echo "gpu_check: SOME STAGES FAILED OR DID NOT RUN (see the table above and $OUT/*.log)"

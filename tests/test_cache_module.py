@@ -287,22 +287,3 @@ def test_cache_rows_can_be_changed_between_steps():
     with pytest.raises(ValueError, match="cache_rows must be in"):
         cached.cache_rows = -1
     _assert_same_training_state(pairs)
-
-
-def test_cache_step_benchmark_runs_the_stream_through_every_cache_size(tmp_path, monkeypatch):
-    import json
-    import pathlib
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
-    import cache_step
-    out = tmp_path / "step.json"
-    cache_step.main(["--device", "cpu", "--rows", "20000", "--batch", "4000", "--stream", "3", "--warmup", "3",
-                     "--steps", "6", "--fractions", "1,0.1", "--json", str(out)])
-    modes = json.loads(out.read_text())["modes"]
-    full, small = modes["replay"]["sizes"]["1"], modes["replay"]["sizes"]["0.1"]
-    assert full["hit_rate"] == 1.0 and full["bypassed_per_step"] == 0 and full["record_bytes_per_step"] == 0
-    assert 0 < small["hit_rate"] < 1 and small["bypassed_per_step"] > 0
-    assert modes["replay"]["no_cache"]["step"]["median_ms"] > 0
-    # Fresh batches: every row a timed step is the first to touch misses even a cache of every touched row.
-    fresh = modes["fresh"]
-    assert fresh["first_touch_per_step"] > 0 and 0 < fresh["sizes"]["1"]["hit_rate"] < 1
-    assert set(fresh["sizes"]["1"]["phases_ms"]) == {"forward", "backward", "step"}
