@@ -18,7 +18,6 @@ class Tower(nn.Module):
         return self.inner[1](self.big(ids) + self.small(ids % 10) + self.inner[0](ids % 200))
 
 
-@pytest.mark.filterwarnings("ignore:hostembed.Embedding.sparse=False.")
 def test_replaces_big_tables_with_same_options_and_weights():
     torch.manual_seed(0)
     model = Tower()
@@ -34,19 +33,21 @@ def test_replaces_big_tables_with_same_options_and_weights():
         new = model.get_submodule(name)
         assert isinstance(new, hostembed.Embedding) and table_of(new.weight) is not None
         for option in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
-                       "scale_grad_by_freq", "sparse"):
+                       "scale_grad_by_freq"):
             assert getattr(new, option) == getattr(old, option), (name, option)
+        assert new.sparse  # as after the plain swap, whatever the torch module's flag
         assert torch.equal(new.weight.detach(), weights[name + ".weight"])
         assert new.weight.requires_grad
     ids = torch.tensor([[1, 4, 299], [4, 4, 17]])
     assert torch.equal(model(ids), reference(ids))  # max_norm renorms rows in both
 
 
-def test_sparse_override_and_frozen_weights():
+def test_sparse_by_default_as_the_plain_swap_and_frozen_weights():
     model = nn.Sequential(nn.Embedding(50, 4), nn.Embedding(60, 4, _freeze=True))
     with pytest.warns(UserWarning, match="sparse=False"):
-        hostembed.replace_embeddings(nn.Sequential(nn.Embedding(50, 4)))  # keeps sparse=False, and says so
-    hostembed.replace_embeddings(model, sparse=True)
+        kept = hostembed.replace_embeddings(nn.Sequential(nn.Embedding(50, 4)), sparse=None)  # keeps torch's False
+    assert not kept[0].sparse
+    hostembed.replace_embeddings(model)
     assert model[0].sparse and model[1].sparse
     assert model[0].weight.requires_grad and not model[1].weight.requires_grad
 
@@ -113,6 +114,39 @@ def test_trains_with_sparse_adam_after_replacement():
         m(ids).pow(2).sum().backward()
         opt.step()
     torch.testing.assert_close(model[0].weight, reference[0].weight, rtol=0, atol=1e-6)
+
+
+def test_replaced_model_trains_with_torchs_adam_like_the_plain_swap_without_a_dense_gradient():
+    """A model built with torch's modules (sparse=False), replaced, trains
+    with torch's dense Adam to torch's results, as after the plain swap,
+    and the table's gradient stays row-sparse (no table-sized tensor)."""
+    def build():
+        torch.manual_seed(3)
+        return nn.ModuleDict({"emb": nn.Embedding(500, 8), "head": nn.Linear(8, 1)})
+
+    reference, model = build(), build()
+    hostembed.replace_embeddings(model)
+    plain = hostembed.Embedding
+    saved, torch.nn.Embedding = torch.nn.Embedding, plain
+    try:
+        swapped = build()
+    finally:
+        torch.nn.Embedding = saved
+    assert isinstance(swapped["emb"], hostembed.Embedding)
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (reference, model, swapped)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        ids = torch.randint(0, 500, (64,), generator=g)
+        target = torch.randn(64, 1, generator=g)
+        for m, opt in zip((reference, model, swapped), opts):
+            opt.zero_grad()
+            (m["head"](m["emb"](ids)) - target).pow(2).mean().backward()
+            if m is not reference:
+                assert m["emb"].weight.grad.is_sparse, "a dense table-sized gradient was made"
+            opt.step()
+    torch.testing.assert_close(model["emb"].weight, reference["emb"].weight, rtol=2e-6, atol=1e-7)
+    assert torch.equal(model["emb"].weight, swapped["emb"].weight), "the two ways train alike"
+    assert torch.equal(model["head"].weight, swapped["head"].weight)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "10"])

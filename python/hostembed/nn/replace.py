@@ -11,7 +11,7 @@ from .embedding import Embedding
 from .embedding_bag import EmbeddingBag
 
 
-def replace_embeddings(model, min_rows=0, *, sparse=None, progress=None):
+def replace_embeddings(model, min_rows=0, *, sparse=True, progress=None):
     """Replaces every ``torch.nn.Embedding`` and ``torch.nn.EmbeddingBag``
     in `model` with at least `min_rows` rows by a :class:`hostembed.Embedding`
     or :class:`hostembed.EmbeddingBag` with the same options and weights;
@@ -26,9 +26,14 @@ def replace_embeddings(model, min_rows=0, *, sparse=None, progress=None):
     from a checkpoint without ever holding the table twice. A module used in
     several places is replaced by one shared hostembed.Embedding.
 
-    sparse: None keeps each module's own ``sparse`` flag; True is what
-    hostembed.SparseAdam wants. Build optimizers after replacing: the old
-    parameters are no longer part of the model.
+    sparse: True (the default) makes each table's gradient row-sparse, as
+    ``torch.nn.Embedding = hostembed.Embedding`` before the model is built
+    does: torch's dense optimizers (Adam, AdamW, ...) still give their
+    dense results, without a table-sized gradient (see the training-scripts
+    guide). None keeps each module's own ``sparse`` flag (torch's default
+    is False: a dense gradient of the whole table every step, with a
+    warning). Build optimizers after replacing: the old parameters are no
+    longer part of the model.
     """
     if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 0:
         raise ValueError(f"replace_embeddings: min_rows must be an int >= 0, got {min_rows!r}")
