@@ -398,3 +398,68 @@ def test_step_hooks_profiler_and_zero_grad_as_torch_calls_them(fused):
         opt.zero_grad()
     names = {event.name for event in prof.events()}
     assert "Optimizer.step#SGD.step" in names and "Optimizer.zero_grad#SGD.zero_grad" in names
+
+
+WIDE = {
+    "SparseAdam": (hostembed.SparseAdam, dict(state_dtype=torch.int8, rowwise_exp_avg_sq=True, state_rounding="stochastic",
+                                             fused=True, update="cpu")),
+    "Adagrad": (hostembed.Adagrad, dict(state_dtype=torch.bfloat16, state_rounding="stochastic")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WIDE))
+def test_every_keyword_is_kept_in_defaults_and_groups_so_a_rebuild_keeps_it(name, tmp_path):
+    """torch keeps every constructor keyword in defaults and each param
+    group; PyKEEN rebuilds its optimizer as cls(params=..., **group). The
+    rebuilt optimizer keeps hostembed's state form (8-bit, row-wise...)."""
+    cls, wide = WIDE[name]
+    emb = hostembed.Embedding(100, 8)
+    opt = cls(emb.parameters(), lr=0.05, **wide)
+    group = {k: v for k, v in opt.state_dict()["param_groups"][0].items() if k != "params"}
+    assert {k: group[k] for k in wide} == wide and {k: opt.defaults[k] for k in wide} == wide
+    kept = dict(opt._wide)
+    del opt  # a table has one fused optimizer
+    rebuilt = cls(params=emb.parameters(), **group)
+    assert rebuilt._wide == kept
+    emb(torch.tensor([1, 2, 3])).sum().backward()
+    rebuilt.step()
+    state = rebuilt.state[emb.weight]
+    first = "exp_avg" if name == "SparseAdam" else "sum"
+    assert state[first].dtype == (torch.int8 if name == "SparseAdam" else torch.bfloat16)
+    # Saved with torch (weights_only: dtypes are plain data) and loaded back.
+    torch.save(rebuilt.state_dict(), tmp_path / "o.pt")
+    saved = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert saved["param_groups"][0]["state_dtype"] == wide["state_dtype"]
+
+
+@pytest.mark.parametrize("name", sorted(WIDE))
+def test_a_group_cannot_ask_another_whole_optimizer_keyword(name):
+    cls, wide = WIDE[name]
+    a, b = hostembed.Embedding(10, 4), hostembed.Embedding(10, 4)
+    with pytest.raises(ValueError, match="state_dtype holds for the whole optimizer"):
+        cls([{"params": a.parameters()}, {"params": b.parameters(), "state_dtype": torch.float32}], **wide)
+    opt = cls(a.parameters(), **wide)
+    with pytest.raises(ValueError, match="state_rounding holds for the whole optimizer"):
+        opt.add_param_group({"params": b.parameters(), "state_rounding": "nearest"})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("name", sorted(WIDE))
+def test_a_state_dict_without_the_keywords_loads_and_keeps_the_optimizers_own(name):
+    """A checkpoint of before (its groups without these keys), or of another
+    form, loads; the groups then say this optimizer's form, into which the
+    state was converted."""
+    cls, wide = WIDE[name]
+    emb = hostembed.Embedding(50, 4)
+    plain = cls(emb.parameters(), lr=0.1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    plain.step()
+    old = plain.state_dict()
+    for g in old["param_groups"]:
+        for k in wide:
+            g.pop(k, None)
+    del plain
+    other = hostembed.Embedding(50, 4)
+    opt = cls(other.parameters(), **wide)
+    opt.load_state_dict(old)
+    assert {k: opt.param_groups[0][k] for k in wide} == wide

@@ -150,13 +150,13 @@ def check_torch_group(optimizer, group, where):
             raise ValueError(f"{where}: Invalid weight_decay value: expected weight_decay >= 0, found {decay!r}")
 
 
-_PLAIN = (bool, numbers.Number, str, type(None), torch.Tensor)
+_PLAIN = (bool, numbers.Number, str, type(None), torch.Tensor, torch.dtype)
 
 
 def check_plain_values(mapping, where, skip=()):
     """Other entries of a param group (a scheduler's 'initial_lr', torch's
     'param_names', ...): kept as they are, but only plain data (numbers,
-    strings, None, tensors and short lists or tuples of them)."""
+    strings, None, tensors, dtypes and short lists or tuples of them)."""
     for key, value in mapping.items():
         if key in skip:
             continue

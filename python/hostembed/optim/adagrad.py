@@ -39,6 +39,7 @@ class Adagrad(HostStep, torch.optim.Adagrad):
                  foreach=None, *, maximize=False, differentiable=False, fused=None, state_dtype=torch.float32,
                  state_rounding="nearest"):
         self._form = StateForm(state_dtype, state_rounding, "Adagrad")
+        self._wide = {"state_dtype": self._form.dtype, "state_rounding": state_rounding}
         # torch's __init__ would allocate each state with full_like(p): a
         # second full table in ordinary memory for a host table. Its checks,
         # then Optimizer's __init__, then the state made where it belongs.
@@ -49,7 +50,7 @@ class Adagrad(HostStep, torch.optim.Adagrad):
                 raise ValueError(f"Invalid {key}: {value}")
         defaults = {"lr": lr, "lr_decay": lr_decay, "eps": eps, "weight_decay": weight_decay,
                     "initial_accumulator_value": initial_accumulator_value, "foreach": foreach,
-                    "maximize": maximize, "differentiable": differentiable, "fused": fused}
+                    "maximize": maximize, "differentiable": differentiable, "fused": fused, **self._wide}
         torch.optim.Optimizer.__init__(self, params, defaults)
         if fused:
             # torch's own constructor does this for its fused path.

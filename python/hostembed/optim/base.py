@@ -119,6 +119,7 @@ class HostStep:
     from it for the call), then the core's update of each host table."""
 
     _name = None
+    _wide = {}  # keywords that hold for the whole optimizer (keep_optimizer_wide)
     # fused=True means the update in backward (_core/fused.py); Adam and
     # AdamW keep torch's meaning (its fused kernel for the other parameters).
     _fused_in_backward = True
@@ -231,6 +232,11 @@ class HostStep:
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        try:
+            keep_optimizer_wide(self, group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
         tables = [t for t in map(table_of, group["params"]) if t is not None]
         if tables:
             try:
@@ -271,12 +277,37 @@ class HostStep:
                       for key, value in (state_dict["state"].get(saved_id) or {}).items()
                       if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()]
         super().load_state_dict(state_dict)
+        restore_optimizer_wide(self)
         forget_optimizer_state(self)
         for p, key, value in host_state:
             self.state[p][key] = value.to(device="cpu", dtype=table_of(p).state_dtype)
 
     def _check_state(self, entry, p, where):
         _validate.check_state_values(entry, p, where)
+
+
+def keep_optimizer_wide(optimizer, group):
+    """Puts the optimizer's whole-optimizer keywords (its state form,
+    fused, update: optimizer._wide) in a param group with the constructor's
+    values. torch keeps every constructor keyword in ``defaults`` and each
+    group, and code that rebuilds an optimizer from its state_dict's groups
+    (PyKEEN's training loop: ``cls(params=..., **group)``) counts on it. A
+    group that asks another value is refused: these hold for the whole
+    optimizer."""
+    for key, value in optimizer._wide.items():
+        asked = group.setdefault(key, value)
+        if asked is not value and asked != value:
+            raise ValueError(f"{type(optimizer).__name__}: {key} holds for the whole optimizer, which was built with "
+                             f"{key}={value!r}; a param group asks {key}={asked!r} (build another optimizer for "
+                             "those parameters)")
+
+
+def restore_optimizer_wide(optimizer):
+    """After torch's load_state_dict, which replaces the groups with the
+    saved ones: the whole-optimizer keywords are this optimizer's (a saved
+    state in another form was converted into its form)."""
+    for group in optimizer.param_groups:
+        group.update(optimizer._wide)
 
 
 def non_negative(group, key, where):

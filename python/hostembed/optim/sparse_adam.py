@@ -12,7 +12,7 @@ from .._core.ops.gpu import take_grad_twin
 from .._core.table import table_of
 from ..io import validate as _validate
 from ..io.stream import copy_rows
-from .base import check_row_sparse, owned_state, scalar_dtype
+from .base import check_row_sparse, keep_optimizer_wide, owned_state, restore_optimizer_wide, scalar_dtype
 from .compact_state import CODE_DTYPES, StateForm, check_saved, scale_key, state_bytes
 from .update_choice import UpdateChooser
 
@@ -100,14 +100,17 @@ class SparseAdam(torch.optim.SparseAdam):
         self.update, self.fused, self._weight_decay = update, fused, float(weight_decay)
         self._form = StateForm(state_dtype, state_rounding, "SparseAdam")
         self._rowwise = rowwise_exp_avg_sq
+        self._wide = {"update": update, "fused": fused, "state_dtype": self._form.dtype,
+                      "rowwise_exp_avg_sq": rowwise_exp_avg_sq, "state_rounding": state_rounding}
         super().__init__(params, lr=lr, betas=betas, eps=eps, maximize=maximize)
-        self.defaults["weight_decay"] = self._weight_decay
+        self.defaults.update(weight_decay=self._weight_decay, **self._wide)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         group.setdefault("weight_decay", self._weight_decay)
         try:
+            keep_optimizer_wide(self, group)
             _check_weight_decay(group, "SparseAdam")
         except ValueError:
             self.param_groups.pop()
@@ -590,6 +593,7 @@ class LoadPlan:
         for moment in self.moments:
             state[moment.saved_id][moment.key] = moment.destination
         torch.optim.SparseAdam.load_state_dict(self.optimizer, {"state": state, "param_groups": self.groups})
+        restore_optimizer_wide(self.optimizer)
         # torch's load casts floating state to the parameter's dtype; a host
         # table's moments are in its compute dtype (float32 for a half
         # table), in the buffers staged for them.
