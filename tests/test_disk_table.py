@@ -167,6 +167,22 @@ os._exit(0)  # killed: no finalizer writes the cache back
         hostembed.Embedding(ROWS, 128, storage=tmp_path / "t", cache_rows=10)
 
 
+def test_another_file_moved_over_the_weight_file_is_refused_and_a_copied_directory_opens(tmp_path):
+    import shutil
+    for name, seed in (("a", 0), ("b", 1)):
+        emb = build(seed=seed, storage=tmp_path / name, cache_rows=10)
+        expected = emb.weight.detach().clone() if name == "b" else None
+        del emb
+        gc.collect()
+    os.replace(tmp_path / "b" / "weight.bin", tmp_path / "a" / "weight.bin")  # same shape, other rows
+    with pytest.raises(RuntimeError, match="does not hold the rows .* was closed with.*checkpoint into it"):
+        hostembed.Embedding(ROWS, 128, storage=tmp_path / "a", cache_rows=10)
+    build(seed=1, storage=tmp_path / "b2", cache_rows=10)
+    gc.collect()
+    shutil.copytree(tmp_path / "b2", tmp_path / "copy")  # a table copied elsewhere is still itself
+    assert torch.equal(hostembed.Embedding(ROWS, 128, storage=tmp_path / "copy", cache_rows=10).weight, expected)
+
+
 def test_a_table_dropped_unflushed_is_written_back(tmp_path):
     disk = build(storage=tmp_path / "t", cache_rows=50)
     opt = hostembed.SparseAdam(disk.parameters(), lr=0.01)
@@ -281,6 +297,53 @@ def test_a_file_cut_short_or_removed_under_the_table_raises_not_zero_rows(tmp_pa
         hostembed.load(tmp_path / "ckpt", memory)
         assert torch.equal(memory.weight, disk.weight)
         assert memory.weight.abs().min() > 0  # the rows trained, not zeros
+
+
+def test_a_removed_directory_stops_training_and_a_checkpoint_still_saves_every_row_and_state(tmp_path):
+    """rm -rf of the table's directory: the step refuses, and hostembed.save
+    (which marks nothing clean on a disk that no longer has the table)
+    saves the last completed step's rows and optimizer state."""
+    import shutil
+    memory = build()
+    memory_opt = hostembed.SparseAdam(memory.parameters(), lr=0.01)
+    disk = build(storage=tmp_path / "t", cache_rows=40)
+    disk_opt = hostembed.SparseAdam(disk.parameters(), lr=0.01)
+    train(memory, memory_opt, 3)
+    train(disk, disk_opt, 3)
+    shutil.rmtree(tmp_path / "t")
+    with pytest.raises(OSError, match="removed while the table was open.*save a checkpoint"):
+        train(disk, disk_opt, 1, seed=5)
+    hostembed.save(tmp_path / "ckpt", disk, disk_opt)
+    again = build(seed=4)
+    again_opt = hostembed.SparseAdam(again.parameters(), lr=0.01)
+    hostembed.load(tmp_path / "ckpt", again, again_opt)
+    assert torch.equal(again.weight, memory.weight)
+    for key, value in state_tensors(memory_opt).items():
+        assert torch.equal(state_tensors(again_opt)[key], value), key
+
+
+def test_a_failed_sync_or_description_write_names_its_file(tmp_path, monkeypatch):
+    _, disk, disk_opt = _trained_pair(tmp_path, 2)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left") as raised:
+        disk.flush_cache()
+    assert str(tmp_path / "t") in str(raised.value) and raised.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    disk.flush_cache()
+    assert clean(tmp_path / "t")
+
+
+def test_storage_that_is_a_file_and_budgets_that_are_not_numbers_are_clear_errors(tmp_path):
+    (tmp_path / "f").write_text("not a directory")
+    with pytest.raises(NotADirectoryError, match="is a file, not a directory"):
+        hostembed.Embedding(10, 128, storage=tmp_path / "f", cache_rows=4)
+    for budget in ("inf", "1e999GiB", "nan"):
+        with pytest.raises(ValueError, match="ram_budget must be bytes"):
+            hostembed.Embedding(10, 128, storage=tmp_path / "t", ram_budget=budget)
 
 
 def test_a_disk_too_small_for_the_table_is_an_error_at_creation(tmp_path):

@@ -1,5 +1,6 @@
 """A table kept in files on local disk (Embedding(storage=...)): a directory
-holding table.json (shape, dtype, whether every row was written back) and
+holding table.json (shape, dtype, whether every row was written back, and
+then a hash of some of its rows) and
 one file per tensor, [num_rows, width] row-major from byte 0: weight.bin,
 and a file per optimizer state tensor made while an optimizer lives.
 
@@ -19,6 +20,7 @@ the optimizer's state and step; the table files hold the rows.
 """
 import errno
 import fcntl
+import hashlib
 import json
 import mmap
 import operator
@@ -44,6 +46,11 @@ IO_THREADS = 64
 # sector holds 8 or more of them, so a direct read-modify-write of one
 # would move 8x its bytes.
 DIRECT_MIN_ROW_BYTES = 64
+# Rows of the weight's file hashed into table.json when every row is written
+# back, and checked at the next open: another file moved or copied over
+# weight.bin is refused, not trained as this table's rows. A few reads at
+# an open; a copy of the directory to another disk keeps them.
+FINGERPRINT_ROWS = 64
 
 
 def _open_direct(path):
@@ -67,6 +74,13 @@ def _open_direct(path):
                     break
     os.close(fd)
     return None, 0
+
+
+def _unlink_quietly(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _fsync_dir(path):
@@ -177,7 +191,10 @@ class RowFile:
         self._move(_C.write_rows, ordered, source)
 
     def sync(self):
-        os.fsync(self.fd)
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            raise OSError(exc.errno, f"hostembed: cannot write {self.path} to disk ({os.strerror(exc.errno)})") from None
 
     def close(self):
         for fd in (self.fd, self.direct_fd):
@@ -192,6 +209,9 @@ class TableFiles:
 
     def __init__(self, path, num_rows, dim, dtype):
         self.path = os.fspath(path)
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise NotADirectoryError(f"storage={self.path!r} is a file, not a directory: give a directory for the "
+                                     "table's files (a new or empty one for a new table)")
         # Python ints for table.json: torch's modules take numpy's too
         # (DLRM's script passes them).
         num_rows, dim = operator.index(num_rows), operator.index(dim)
@@ -245,12 +265,22 @@ class TableFiles:
             raise ValueError(f"hostembed: {manifest} is not a hostembed table (format {info.get('format')!r}, "
                              f"version {info.get('version')!r}; expected {FORMAT!r}, {VERSION})")
         if opened:
+            resume = ("To resume, make the table with storage= a new or emptied directory and load your last "
+                      "checkpoint into it (hostembed.load(path, model, optimizer)); this directory can then be "
+                      "removed")
             if not info.get("clean"):
                 self.weight.close()
                 raise RuntimeError(
                     f"hostembed: the table in {self.path} was not closed cleanly: the process that trained it "
                     "stopped with rows in its RAM cache not yet written, so its file holds rows of different steps. "
-                    "Restore the table from a checkpoint (hostembed.load) instead")
+                    + resume)
+            saved = info.get("fingerprint")
+            if saved is not None and saved != self._fingerprint():
+                self.weight.close()
+                raise RuntimeError(
+                    f"hostembed: {self.weight.path} does not hold the rows the table in {self.path} was closed with "
+                    f"({FINGERPRINT_ROWS} rows read to check differ): another file was moved or copied over it. "
+                    "Put the table's own file back, or " + resume[0].lower() + resume[1:])
             return
         found = (info.get("num_rows"), info.get("dim"), info.get("dtype"))
         wanted = (self.num_rows, self.dim, dtype_name(self.dtype))
@@ -261,6 +291,8 @@ class TableFiles:
     def _write_manifest(self, *, clean):
         info = {"format": FORMAT, "version": VERSION, "num_rows": self.num_rows, "dim": self.dim,
                 "dtype": dtype_name(self.dtype), "weight": WEIGHT_FILE, "clean": clean}
+        if clean:
+            info["fingerprint"] = self._fingerprint()
         target = os.path.join(self.path, MANIFEST)
         temporary = target + ".tmp"
         try:
@@ -269,11 +301,27 @@ class TableFiles:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temporary, target)
+        except OSError as exc:
+            _unlink_quietly(temporary)
+            # A write or fsync error (a full disk) names no file of its own.
+            raise OSError(exc.errno, f"hostembed: cannot write {target}, the description of the table in "
+                                     f"{self.path} ({os.strerror(exc.errno) if exc.errno else exc})") from None
         except BaseException:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
+            _unlink_quietly(temporary)
             raise
         _fsync_dir(self.path)
+
+    def _fingerprint(self):
+        """A hash of FINGERPRINT_ROWS rows spread over the weight's file, read
+        from the file itself (after a flush, what the table holds)."""
+        digest = hashlib.blake2b(digest_size=16)
+        n, row = self.num_rows, self.weight.row_bytes
+        for i in sorted({k * (n - 1) // max(FINGERPRINT_ROWS - 1, 1) for k in range(FINGERPRINT_ROWS)} if n else ()):
+            data = os.pread(self.weight.fd, row, i * row)
+            if len(data) != row:
+                raise OSError(errno.EIO, f"hostembed: {self.weight.path} ends before row {i}")
+            digest.update(data)
+        return digest.hexdigest()
 
     def _remove_state_files(self):
         for name in os.listdir(self.path):
@@ -331,6 +379,15 @@ class TableFiles:
         if clean != self.clean:
             if clean:
                 self.weight.sync()
+                if self.removed():
+                    # Nothing on disk to mark: the rows are in the open
+                    # files, and a checkpoint (hostembed.save) reads them.
+                    return
             self._write_manifest(clean=clean)
             self.clean = clean
+
+    def removed(self):
+        """True when the weight's file was removed (rm -rf of the directory)
+        while the table is open: its rows live only in this process."""
+        return os.fstat(self.weight.fd).st_nlink == 0
 

@@ -66,7 +66,7 @@ def parse_bytes(value, what):
         unit = text[len(digits):]
         try:
             number = int(float(digits) * _UNITS[unit])
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, OverflowError):  # OverflowError: "inf", "1e999"
             raise ValueError(f"{what} must be bytes: an int, or a string such as '8GiB' or '512MB'; got "
                              f"{value!r}") from None
     else:
