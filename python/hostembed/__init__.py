@@ -51,6 +51,10 @@ def set_num_threads(n: int) -> None:
     The core runs only while the calling thread waits for it, never at the
     same time as torch's own intra-op threads, so the default (every CPU this
     process may use) does not oversubscribe.
+
+    Args:
+        n (int): the number of threads, from 1 to 1024 (ValueError
+            otherwise; TypeError for a non-int).
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"set_num_threads expects an int, got {type(n).__name__}")

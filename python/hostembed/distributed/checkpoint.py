@@ -37,7 +37,22 @@ def load_resharded(paths, model, optimizer=None):
 
     The optimizer must be one hostembed or torch optimizer (not a list).
     Raises ValueError when the files do not hold a table's rows as
-    `len(paths)` ranks would have, before anything changes."""
+    `len(paths)` ranks would have, before anything changes.
+
+    Args:
+        paths (sequence of str or os.PathLike): the checkpoint files the old
+            ranks wrote, one a rank, in rank order (every rank gives them
+            all).
+        model (torch.nn.Module): this rank's model, built as the saved one
+            with its distributed tables for the ranks (or the single
+            process) there are now.
+        optimizer (torch.optim.Optimizer, optional): one optimizer over the
+            model's parameters, in the same order as the saved one's.
+            Default: None (the model only)
+
+    Returns:
+        The first file's ``extra`` (None if it has none).
+    """
     paths = [str(p) for p in paths]
     shared = [(name, m) for name, m in model.named_modules() if isinstance(m, SharedEmbedding)]
     # Those with share_within_host are their SharedEmbedding shards' to load.

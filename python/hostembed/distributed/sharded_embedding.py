@@ -199,32 +199,59 @@ class ShardedEmbedding(_RowSharded):
     ``DistributedDataParallel`` with :func:`exclude_from_ddp`. An id outside
     the table on any rank raises ``IndexError`` on every rank, naming the
     id and the rank, before anything is looked up. Every rank must build
-    the same table (``ValueError`` otherwise, on every rank).
+    the same table (``ValueError`` otherwise, on every rank), after
+    ``torch.distributed.init_process_group`` (``RuntimeError`` before). A
+    new table's shards are drawn N(0, 1) rank by rank;
+    :meth:`from_pretrained` shards given values.
 
-    ``storage``, ``ram_budget``, ``cache_rows`` (keyword-only): each rank's
-    shard kept on disk as :class:`hostembed.Embedding`'s ``storage=``, in
-    the directory ``rank{r}-of-{W}`` under ``storage`` (a local disk of
-    each rank's host), with a row cache of that budget; the same number of
-    ranks opens the shards again.
-
-    ``share_within_host=True`` spreads the rows over the hosts instead of
-    the ranks: host h of H holds rows ``[h * N // H, (h + 1) * N // H)`` as
-    one :class:`SharedEmbedding` that all its ranks map (``self.shard``),
-    each rank updating its part of them (any optimizer, as for
-    SharedEmbedding), so a host holds its rows once whatever its number of
-    ranks. A rank's
-    lookups go to the rank of the same local index on the owning host.
-    Every host must run as many ranks (``ValueError`` otherwise); the
-    ranks' host is their host name.
-
-    Arguments as :class:`hostembed.Embedding` (``num_embeddings``,
-    ``embedding_dim``, ``padding_idx``, ``sparse``, ``dtype``, ``device``:
-    where the outputs land, as ``.to()`` moves them; the rows stay in host
-    memory), and ``process_group`` (default: the world). The ranks'
-    traffic goes through the group's backend: on the CPU with gloo (or a
-    group made with ``backend="cpu:gloo,cuda:nccl"``), through each rank's
-    current GPU with NCCL alone. A new table's shards are drawn N(0, 1)
-    rank by rank; :meth:`from_pretrained` shards given values.
+    Args:
+        num_embeddings (int): the whole table's number of rows, ``N``, as
+            :class:`hostembed.Embedding`'s (the same on every rank).
+        embedding_dim (int): the size of each embedding vector, as
+            :class:`hostembed.Embedding`'s.
+        padding_idx (int, optional): a row of the whole table, as
+            :class:`hostembed.Embedding`'s (negative counts from the end);
+            the rank that holds it keeps it out of the gradient.
+            Default: None
+        process_group (torch.distributed.ProcessGroup, optional):
+            keyword-only: the ranks the rows are spread over. The ranks'
+            traffic goes through the group's backend: on the CPU with gloo
+            (or a group made with ``backend="cpu:gloo,cuda:nccl"``), through
+            each rank's current GPU with NCCL alone. Default: None (the
+            world)
+        sparse (bool, optional): keyword-only: whether the shard's gradient
+            is row-sparse, as :class:`hostembed.Embedding`'s (a table
+            shared within a host, ``share_within_host=True``, always has
+            row-sparse gradients). Default: ``True``
+        dtype (torch.dtype, optional): keyword-only: the table's dtype, as
+            :class:`hostembed.Embedding`'s. Default: None (torch's default
+            dtype)
+        share_within_host (bool, optional): keyword-only. True spreads the
+            rows over the hosts instead of the ranks: host h of H holds rows
+            ``[h * N // H, (h + 1) * N // H)`` as one
+            :class:`SharedEmbedding` that all its ranks map
+            (``self.shard``), each rank updating its part of them (any
+            optimizer, as for SharedEmbedding), so a host holds its rows
+            once whatever its number of ranks. A rank's lookups go to the
+            rank of the same local index on the owning host. Every host must
+            run as many ranks (``ValueError`` otherwise); the ranks' host is
+            their host name. Not with ``storage``, ``ram_budget`` or
+            ``cache_rows`` (ValueError). Default: ``False``
+        device (torch.device or str, optional): keyword-only: where the
+            outputs land, as ``.to()`` moves them; the rows stay in host
+            memory. A CUDA device needs CUDA (RuntimeError otherwise).
+            Default: None (the CPU)
+        storage (str or os.PathLike, optional): keyword-only: each rank's
+            shard kept on disk as :class:`hostembed.Embedding`'s
+            ``storage=``, in the directory ``rank{r}-of-{W}`` under
+            ``storage`` (a local disk of each rank's host), with a row cache
+            of ``ram_budget`` bytes or ``cache_rows`` rows; the same number
+            of ranks opens the shards again. Default: None
+        ram_budget (int or str, optional): keyword-only, with ``storage``:
+            the RAM of each shard's row cache, as
+            :class:`hostembed.Embedding`'s. Default: None
+        cache_rows (int, optional): keyword-only: each shard's row cache,
+            as :class:`hostembed.Embedding`'s. Default: None
     """
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, *, process_group=None, sparse=True,
@@ -248,6 +275,20 @@ class ShardedEmbedding(_RowSharded):
         return module
 
     def forward(self, input):
+        """The rows of this rank's ids, from the ranks that hold them (a
+        collective: every rank calls it, the same number of times).
+
+        Args:
+            input (Tensor): this rank's ids, of any shape ``(*)``,
+                torch.int64 or torch.int32, on any device; an id outside
+                ``[0, num_embeddings)`` on any rank raises IndexError on
+                every rank.
+
+        Returns:
+            Tensor: shape ``(*, embedding_dim)``, ``table[input]`` in the
+            table's dtype on ``output_device``; backward sends each row's
+            gradient to the rank that holds it.
+        """
         ids = prepare_ids(input, WHO)
         flat = ids.reshape(-1)
         rows, dedup, _, inverse = self._distinct_rows(flat)

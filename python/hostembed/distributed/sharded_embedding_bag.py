@@ -31,15 +31,49 @@ class ShardedEmbeddingBag(_RowSharded):
     of the sum of the ranks' losses). Every rank must call forward and
     backward the same number of times, like any collective.
 
-    Arguments as :class:`torch.nn.EmbeddingBag` (``num_embeddings``,
-    ``embedding_dim``, ``mode``, ``padding_idx``, ``include_last_offset``,
-    ``sparse``, ``dtype``; ``max_norm`` and ``scale_grad_by_freq`` are not
-    taken), ``process_group`` (default: the world) and
-    ``share_within_host`` and ``device`` (as :class:`ShardedEmbedding`'s). Any hostembed
+    The arguments are :class:`torch.nn.EmbeddingBag`'s (``max_norm`` and
+    ``scale_grad_by_freq`` are not taken) and :class:`ShardedEmbedding`'s.
+    Any hostembed
     optimizer trains the shard, ``fused=True`` too; keep the module out of
     ``DistributedDataParallel`` with :func:`exclude_from_ddp`. An id
     outside the table on any rank raises ``IndexError`` on every rank, and
     ranks that build different tables raise ``ValueError``.
+
+    Args:
+        num_embeddings (int): the whole table's number of rows, as
+            :class:`ShardedEmbedding`'s.
+        embedding_dim (int): the size of each embedding vector.
+        mode (str, optional): ``"sum"``, ``"mean"`` or ``"max"``: how each
+            bag is reduced, as :class:`hostembed.EmbeddingBag`'s (ValueError
+            for any other). Default: ``"mean"``
+        padding_idx (int, optional): a row of the whole table left out of
+            each bag (and of a mean's count) and of the gradient, as
+            :class:`hostembed.EmbeddingBag`'s. Default: None
+        include_last_offset (bool, optional): if True, ``offsets`` has one
+            more element than there are bags, the last one the size of
+            ``input`` (the CSR format). Default: ``False``
+        process_group (torch.distributed.ProcessGroup, optional):
+            keyword-only: the ranks the rows are spread over, as
+            :class:`ShardedEmbedding`'s. Default: None (the world)
+        sparse (bool, optional): keyword-only: whether the shard's gradient
+            is row-sparse, as :class:`ShardedEmbedding`'s. Default: ``True``
+        dtype (torch.dtype, optional): keyword-only: the table's dtype, as
+            :class:`hostembed.Embedding`'s. Default: None (torch's default
+            dtype)
+        share_within_host (bool, optional): keyword-only: the rows spread
+            over the hosts, each host's one shared copy, as
+            :class:`ShardedEmbedding`'s. Default: ``False``
+        device (torch.device or str, optional): keyword-only: where the
+            pooled outputs land; the rows stay in host memory.
+            Default: None (the CPU)
+        storage (str or os.PathLike, optional): keyword-only: each rank's
+            shard kept on disk, as :class:`ShardedEmbedding`'s.
+            Default: None
+        ram_budget (int or str, optional): keyword-only, with ``storage``:
+            the RAM of each shard's row cache, as
+            :class:`ShardedEmbedding`'s. Default: None
+        cache_rows (int, optional): keyword-only: each shard's row cache,
+            as :class:`ShardedEmbedding`'s. Default: None
     """
 
     _who = WHO
@@ -67,6 +101,25 @@ class ShardedEmbeddingBag(_RowSharded):
         return module
 
     def forward(self, input, offsets=None, per_sample_weights=None):
+        """This rank's bags, pooled from rows the ranks that hold them send
+        (a collective: every rank calls it, the same number of times).
+
+        Args:
+            input (Tensor): this rank's ids (torch.int64 or torch.int32) in
+                bags, in any form :meth:`hostembed.EmbeddingBag.forward`
+                takes: 2-D ``(B, N)``, 1-D ``(n,)`` with ``offsets``, or
+                nested. An id outside ``[0, num_embeddings)`` on any rank
+                raises IndexError on every rank.
+            offsets (Tensor, optional): with a 1-D ``input``, where each bag
+                starts: ``(B,)``, or ``(B + 1,)`` with
+                ``include_last_offset``. Default: None
+            per_sample_weights (Tensor, optional): a weight for each id, of
+                ``input``'s shape; ``mode="sum"`` only. Default: None
+
+        Returns:
+            Tensor: shape ``(B, embedding_dim)``, one pooled row per bag, on
+            ``output_device``.
+        """
         ids, offsets, per_sample_weights, include_last_offset = bag_input.flatten(
             input, offsets, per_sample_weights, self.mode, self.include_last_offset, self._shard_weight().dtype)
         ids, offsets = ids.cpu(), offsets.cpu()

@@ -51,12 +51,29 @@ class SharedEmbedding(nn.Module):
     updates its range there, bit for bit as unfused), and torch's that take
     row-sparse gradients. Adam and AdamW (hostembed's, or torch's through
     the swap) step every row of the rank's range, as torch steps every row
-    of a table. Arguments as :class:`hostembed.Embedding`
-    (``num_embeddings``, ``embedding_dim``, ``padding_idx``, ``dtype``,
-    ``device``) and ``process_group`` (default: the world), whose ranks
-    must all be on this host (``ValueError`` otherwise;
-    :class:`ShardedEmbedding` spreads a table over hosts); its traffic (the
-    gradient rows) goes as :class:`ShardedEmbedding`'s does.
+    of a table. Every rank must build the same table (``ValueError``
+    otherwise, on every rank).
+
+    Args:
+        num_embeddings (int): the table's number of rows, ``N``, as
+            :class:`hostembed.Embedding`'s (the same on every rank).
+        embedding_dim (int): the size of each embedding vector, as
+            :class:`hostembed.Embedding`'s.
+        padding_idx (int, optional): as :class:`hostembed.Embedding`'s: the
+            row kept out of the gradient (zeros in a new table).
+            Default: None
+        process_group (torch.distributed.ProcessGroup, optional):
+            keyword-only: the ranks that share the table, which must all be
+            on this host (``ValueError`` otherwise;
+            :class:`ShardedEmbedding` spreads a table over hosts); its
+            traffic (the gradient rows) goes as :class:`ShardedEmbedding`'s
+            does. Default: None (the world)
+        dtype (torch.dtype, optional): keyword-only: the table's dtype, as
+            :class:`hostembed.Embedding`'s. Default: None (torch's default
+            dtype)
+        device (torch.device or str, optional): keyword-only: where the
+            outputs land, as :class:`hostembed.Embedding`'s; the rows stay
+            in the shared host memory. Default: None (the CPU)
     """
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, *, process_group=None, dtype=None,
@@ -111,6 +128,22 @@ class SharedEmbedding(nn.Module):
         return module
 
     def forward(self, input):
+        """The rows of this rank's ids, read straight from the shared table
+        (a collective: every rank calls it, the same number of times; it
+        starts with a barrier).
+
+        Args:
+            input (Tensor): this rank's ids, of any shape ``(*)``,
+                torch.int64 or torch.int32 (IdDtypeError for any other
+                dtype); an id outside ``[0, num_embeddings)`` on any rank
+                raises IndexError on every rank.
+
+        Returns:
+            Tensor: shape ``(*, embedding_dim)``, in the table's dtype, on
+            the module's ``device``; backward leaves in
+            ``table.weight.grad`` the
+            rows of this rank's range from every rank's batch.
+        """
         # One all-gather of each rank's first id out of range: the barrier
         # after which no rank reads a row another is still updating, and an
         # IndexError on every rank for a bad id on any, before anything is

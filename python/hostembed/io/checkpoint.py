@@ -90,6 +90,19 @@ def save(path, model, optimizer=None, *, extra=None):
     fsync or rename) before the rename leaves the previous checkpoint at
     `path` untouched (and, after a kill, a stray `<path>.tmp-*` file). I/O
     failures raise OSError. See the module's docstring for every case.
+
+    Args:
+        path (str or os.PathLike): the file to write, in an existing
+            directory.
+        model (torch.nn.Module): the model whose ``state_dict()`` is saved
+            (host tables straight from their memory, row caches written
+            back first).
+        optimizer (torch.optim.Optimizer or list or tuple, optional): one
+            optimizer, or a list or tuple of them, whose ``state_dict()`` is
+            saved; :func:`load` takes them in the same form. Default: None
+        extra (object, optional): keyword-only: plain values and tensors
+            (what ``torch.load(weights_only=True)`` reads back) saved
+            beside them, which :func:`load` returns. Default: None
     """
     path = os.fspath(path)
     checkpoint = {"format": FORMAT, "version": VERSION, "model": model.state_dict()}
@@ -192,6 +205,21 @@ def load(path, model, optimizer=None, *, strict=True):
     and optimizer are as they were. Only a failure while rows are being
     copied (a read error, an interrupt) leaves them partially loaded, and
     the RuntimeError says so. The module's docstring lists every case.
+
+    Args:
+        path (str or os.PathLike): a checkpoint written by :func:`save`
+            (FileNotFoundError if there is no such file).
+        model (torch.nn.Module): the model to restore in place, built as
+            the one saved.
+        optimizer (torch.optim.Optimizer or list or tuple, optional): the
+            optimizer, or the list or tuple of them, given as it was to
+            :func:`save`. Default: None (the model only)
+        strict (bool, optional): keyword-only: as torch's
+            ``load_state_dict(strict=...)``: whether the model's keys must
+            match the checkpoint's exactly. Default: ``True``
+
+    Returns:
+        The checkpoint's ``extra`` (None if it has none).
     """
     path = os.fspath(path)
     if not os.path.exists(path):

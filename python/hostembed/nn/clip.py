@@ -22,6 +22,23 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     that is below 1. A sparse gradient is coalesced first (duplicate rows,
     left by several backward() calls, must be summed before a norm is
     taken). Returns the total norm as a float32 tensor.
+
+    Args:
+        parameters (Tensor or iterable of Tensor): the parameters whose
+            gradients are clipped (those without a gradient are skipped). A
+            table updated in backward by a ``fused=True`` optimizer has no
+            gradient to clip: RuntimeError.
+        max_norm (float): the largest total norm the gradients keep.
+        norm_type (float, optional): the p of the p-norm, as torch's
+            (``float("inf")`` for the largest absolute value).
+            Default: ``2.0``
+        error_if_nonfinite (bool, optional): if True, a total norm that is
+            nan or inf raises RuntimeError (nothing is scaled), as torch's.
+            Default: ``False``
+
+    Returns:
+        Tensor: the total norm of the gradients (viewed as a single
+        vector), a float32 tensor on the CPU (0 without any gradient).
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]

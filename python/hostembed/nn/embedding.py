@@ -39,44 +39,96 @@ class Embedding(HostTableModule, nn.Embedding):
     method that touches the table is its own.
 
     Train it with :class:`hostembed.SparseAdam`, which updates the table and
-    its state in place in the C core.
+    its state in place in the C core. :meth:`from_pretrained` makes a table
+    from a tensor or a file.
 
-    ``cache_rows`` (keyword-only, default None): keep up to that many rows,
-    with their optimizer state, in a cache (records of a row and its
-    state): rows found there are read and updated there, misses are
-    brought in or, when the policy turns them away, read and updated in
-    host memory, and rows leaving it are written back. Training gives the
-    same bits as without it. Reading ``weight``, ``state_dict()``,
-    ``hostembed.save`` and the optimizers' ``state_dict()`` write the
-    cache back first; references to the weight or to optimizer state kept
-    from earlier see host memory (``flush_cache()`` brings it up to date).
-    ``cache_stats`` counts hits, misses and bytes moved. The cache's
-    lookups run eagerly (a graph break under torch.compile); max_norm and
-    stochastic rounding are refused with it. With GPU outputs and a
-    float32 table the records are in GPU memory and SparseAdam updates
-    them there; otherwise (or after the first step of another optimizer)
-    they are in host memory, which saves nothing.
-
-    ``storage`` (keyword-only, a directory): keep the table, and the state
-    of the optimizer that trains it, in files there, with only its hot rows
-    in RAM: a row cache of ``ram_budget`` bytes (an int, or a string such as
-    ``"8GiB"``; counted for a row and two rows of optimizer state, as
-    SparseAdam's) or of ``cache_rows`` rows. Misses are read and evictions
-    written by the core's threads with many requests in flight, around the
-    page cache where rows are whole 512-byte sectors. Training gives the
-    same bits as the table in memory. A directory that holds a table opens
-    it (shape and dtype must match; nothing is read until looked up); an
-    empty or new one gets a new table, initialised as torch's. The files
-    hold every row only after a flush (``flush_cache()``; reading
-    ``weight``, ``state_dict()``, ``hostembed.save``, and the module's end,
-    at garbage collection or the interpreter's exit): a table whose process
-    died with rows not written back refuses to open. The optimizer's state lives as long as
-    the optimizer (files removed with it); a checkpoint (``hostembed.save``)
-    keeps state and step. A failed read or write (a full disk, an I/O
-    error, a file cut short or removed) raises OSError naming the file and
-    row, and the table takes no more steps: what the last completed step
-    left is in the files and the cache, and ``flush_cache()`` writes it.
-    Records stay in host memory with GPU outputs.
+    Args:
+        num_embeddings (int): size of the dictionary of embeddings: the
+            table's number of rows (>= 0; ValueError otherwise).
+        embedding_dim (int): the size of each embedding vector: the table's
+            number of columns (>= 0; ValueError otherwise).
+        padding_idx (int, optional): if given, the entries at
+            ``padding_idx`` do not contribute to the gradient; therefore the
+            embedding vector at ``padding_idx`` is not updated during
+            training, i.e. it remains as a fixed "pad". A new table's row
+            there is zeros, as torch's. A negative index counts from the end
+            (``num_embeddings + padding_idx``); one outside
+            ``[-num_embeddings, num_embeddings)`` raises AssertionError, as
+            torch's. Default: None
+        max_norm (float, optional): if given, each embedding vector a lookup
+            reads whose norm is larger than ``max_norm`` is renormalized to
+            have norm ``max_norm`` first, in place in the host table (torch
+            also writes its weight in place). Refused with ``cache_rows``
+            (ValueError). Default: None
+        norm_type (float, optional): the p of the p-norm to compute for the
+            ``max_norm`` option. Default: ``2.0``
+        scale_grad_by_freq (bool, optional): if True, gradients are scaled
+            by the inverse of the frequency of the words in the mini-batch;
+            here with sparse gradients too. Default: ``False``
+        sparse (bool, optional): if True, the gradient with respect to
+            ``weight`` is a row-sparse tensor over the rows looked up, which
+            every hostembed optimizer takes (torch's default is False).
+            False builds a dense gradient as large as the whole table at
+            every backward, and warns (UserWarning). Default: ``True``
+        device (torch.device or str, optional): where forward's outputs
+            land, and so where lookups run (see above); the table itself
+            stays in host memory. A CUDA device needs the extension built
+            with CUDA and a GPU that CUDA can use (RuntimeError otherwise).
+            Default: None (the CPU)
+        dtype (torch.dtype, optional): the table's dtype: torch.float32,
+            torch.float16, torch.bfloat16 or torch.float64 (TypeError for
+            any other); outputs and gradients are in it. Default: None
+            (torch's default dtype)
+        cache_rows (int, optional): keyword-only. Keep up to that many rows,
+            with their optimizer state, in a cache (records of a row and its
+            state): rows found there are read and updated there, misses are
+            brought in or, when the policy turns them away, read and updated
+            in host memory, and rows leaving it are written back. Training
+            gives the same bits as without it. Reading ``weight``,
+            ``state_dict()``, ``hostembed.save`` and the optimizers'
+            ``state_dict()`` write the cache back first; references to the
+            weight or to optimizer state kept from earlier see host memory
+            (``flush_cache()`` brings it up to date). ``cache_stats`` counts
+            hits, misses and bytes moved. The cache's lookups run eagerly (a
+            graph break under torch.compile); max_norm and stochastic
+            rounding are refused with it. With GPU outputs and a float32
+            table the records are in GPU memory and SparseAdam updates them
+            there; otherwise (or after the first step of another optimizer)
+            they are in host memory, which saves nothing. An int in
+            ``[1, 2**28 - 1)`` (TypeError for a non-int, ValueError out of
+            range); with ``storage``, the rows of its row cache.
+            Default: None (no cache)
+        storage (str or os.PathLike, optional): keyword-only, a directory.
+            Keep the table, and the state of the optimizer that trains it,
+            in files there, with only its hot rows in RAM: a row cache of
+            ``ram_budget`` bytes or of ``cache_rows`` rows (one of the two,
+            ValueError otherwise). Misses are read and evictions written by
+            the core's threads with many requests in flight, around the page
+            cache where rows are whole 512-byte sectors. Training gives the
+            same bits as the table in memory. A directory that holds a table
+            opens it (shape and dtype must match; nothing is read until
+            looked up); an empty or new one gets a new table, initialised as
+            torch's (a path to a file raises NotADirectoryError). The files
+            hold every row only after a flush
+            (``flush_cache()``; reading ``weight``, ``state_dict()``,
+            ``hostembed.save``, and the module's end, at garbage collection
+            or the interpreter's exit): a table whose process died with rows
+            not written back refuses to open. The optimizer's state lives as
+            long as the optimizer (files removed with it); a checkpoint
+            (``hostembed.save``) keeps state and step. A failed read or
+            write (a full disk, an I/O error, a file cut short or removed)
+            raises OSError naming the file and row, and the table takes no
+            more steps: what the last completed step left is in the files
+            and the cache, and ``flush_cache()`` writes it. Records stay in
+            host memory with GPU outputs. Default: None (the table in
+            memory)
+        ram_budget (int or str, optional): keyword-only, with ``storage``
+            only (ValueError without it): the bytes of RAM for the row
+            cache of a table on disk, an int or a string such as ``"8GiB"``
+            or ``"512MB"`` (> 0, and enough for one record), counted for a
+            row and two rows of optimizer state, as SparseAdam's (an
+            optimizer with less state leaves part of it unused). Give
+            ``cache_rows`` instead to count in rows. Default: None
     """
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, max_norm=None, norm_type=2.0,
@@ -93,6 +145,20 @@ class Embedding(HostTableModule, nn.Embedding):
                          storage, ram_budget)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """The rows of the ids in ``input``, as ``torch.nn.Embedding``'s
+        forward (``max_norm`` renorms the rows it reads in the table first).
+
+        Args:
+            input (Tensor): ids of any shape ``(*)``, torch.int64 or
+                torch.int32 (IdDtypeError for any other dtype), on any
+                device; an id outside ``[0, num_embeddings)`` raises
+                IndexError.
+
+        Returns:
+            Tensor: shape ``(*, embedding_dim)``, the table's rows in its
+            dtype, on ``output_device``; differentiable with respect to
+            ``weight`` (a row-sparse gradient when ``sparse``).
+        """
         out = _lookup_cpu.small_lookup(self, input)
         if out is not None:
             self._record_path("cpu")

@@ -41,6 +41,59 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
     the table's dtype is any of hostembed.Embedding's (bags are pooled in
     it, by torch's embedding_bag); an input with offsets that decrease raises
     RuntimeError (torch may read out of bounds).
+
+    Args:
+        num_embeddings (int): size of the dictionary of embeddings: the
+            table's number of rows (>= 0; ValueError otherwise).
+        embedding_dim (int): the size of each embedding vector: the table's
+            number of columns (>= 0; ValueError otherwise).
+        max_norm (float, optional): if given, each embedding vector a lookup
+            reads whose norm is larger than ``max_norm`` is renormalized to
+            have norm ``max_norm`` before the pooling, in place in the host
+            table (as torch writes its weight). Refused with ``cache_rows``
+            (ValueError). Default: None
+        norm_type (float, optional): the p of the p-norm to compute for the
+            ``max_norm`` option. Default: ``2.0``
+        scale_grad_by_freq (bool, optional): if True, gradients are scaled
+            by the inverse of the frequency of the words in the mini-batch.
+            Not with ``mode="max"`` (ValueError, as torch). Default:
+            ``False``
+        mode (str, optional): ``"sum"``, ``"mean"`` or ``"max"``: how each
+            bag is reduced. ``"sum"`` computes the weighted sum, taking
+            ``per_sample_weights`` into account; ``"mean"`` the average of
+            the bag's rows; ``"max"`` the maximum over the bag, column by
+            column. Any other raises ValueError. Default: ``"mean"``
+        sparse (bool, optional): if True, the gradient with respect to
+            ``weight`` is a row-sparse tensor over the bags' distinct rows
+            (also with ``mode="max"``, which torch refuses; torch's default
+            is False). False builds a dense gradient as large as the whole
+            table at every backward, and warns (UserWarning). Default:
+            ``True``
+        include_last_offset (bool, optional): if True, ``offsets`` has one
+            more element than there are bags, the last one the size of
+            ``input``: the CSR format. Default: ``False``
+        padding_idx (int, optional): if given, the entries at
+            ``padding_idx`` do not contribute to the gradient, so the
+            embedding vector at ``padding_idx`` is not updated during
+            training, and they are left out of the pooling (and of a mean's
+            count). A new table's row there is zeros. A negative index counts
+            from the end; one outside ``[-num_embeddings, num_embeddings)``
+            raises AssertionError, as torch's. Default: None
+        device (torch.device or str, optional): where forward's outputs
+            land, as :class:`hostembed.Embedding`'s; the table stays in host
+            memory. Default: None (the CPU)
+        dtype (torch.dtype, optional): the table's dtype, as
+            :class:`hostembed.Embedding`'s (float32, float16, bfloat16 or
+            float64; TypeError for any other); bags are pooled in it.
+            Default: None (torch's default dtype)
+        cache_rows (int, optional): keyword-only: a row cache of that many
+            rows, as :class:`hostembed.Embedding`'s. Default: None
+        storage (str or os.PathLike, optional): keyword-only: a directory
+            that keeps the table on disk, as :class:`hostembed.Embedding`'s.
+            Default: None
+        ram_budget (int or str, optional): keyword-only, with ``storage``:
+            the bytes of RAM for its row cache, as
+            :class:`hostembed.Embedding`'s. Default: None
     """
 
     def __init__(self, num_embeddings, embedding_dim, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
@@ -60,6 +113,31 @@ class EmbeddingBag(HostTableModule, nn.EmbeddingBag):
                          ram_budget)
 
     def forward(self, input, offsets=None, per_sample_weights=None):
+        """The pooled bags of ``input``, as ``torch.nn.EmbeddingBag``'s
+        forward.
+
+        Args:
+            input (Tensor): the ids (torch.int64 or torch.int32; IdDtypeError
+                for any other dtype), in bags: 2-D ``(B, N)``, B bags of N
+                ids each (``offsets`` must be None); 1-D ``(n,)``, the bags
+                one after the other, with ``offsets``; or a nested tensor of
+                B bags. Other shapes raise ValueError, as torch. An id outside ``[0, num_embeddings)`` raises
+                IndexError.
+            offsets (Tensor, optional): with a 1-D ``input``, where each bag
+                starts in it: ``(B,)``, or ``(B + 1,)`` with
+                ``include_last_offset``. Offsets that decrease raise
+                RuntimeError. Default: None
+            per_sample_weights (Tensor, optional): a weight for each id, of
+                ``input``'s shape (nested with a nested ``input``) and the
+                table's dtype, which scales its row before the sum;
+                ``mode="sum"`` only (NotImplementedError otherwise, as
+                torch). None: every weight 1. Default: None
+
+        Returns:
+            Tensor: shape ``(B, embedding_dim)``, one pooled row per bag (an
+            empty bag gives zeros), in the table's dtype, on
+            ``output_device``.
+        """
         out = _bag_cpu.small_bags(self, input, offsets, per_sample_weights)
         if out is not None:
             self._record_path("cpu")

@@ -33,13 +33,42 @@ class EmbeddingBagCollection(nn.ModuleList):
             [hostembed.EmbeddingBag(n, 64, mode="sum") for n in sizes])
         pooled = self.tables(ids_per_table, offsets_per_table)
 
-    Arguments: ``inputs``, a sequence with one input per table in any form
-    its table takes (1-D with offsets, 2-D, nested); ``offsets`` and
-    ``per_sample_weights``, None or a sequence of the same length (whose
-    entries may be None). Returns a list of outputs.
+    Args:
+        modules (iterable of torch.nn.Module, optional): the tables, in
+            order (``nn.ModuleList``'s argument): usually
+            :class:`hostembed.EmbeddingBag` modules; any other module that
+            takes ``(input, offsets, per_sample_weights)`` is called as it
+            is. More can be added later (``append``, ``extend``,
+            ``insert``), as to any ``nn.ModuleList``. Default: None (none
+            yet)
     """
 
     def forward(self, inputs, offsets=None, per_sample_weights=None):
+        """Every table's bags, looked up with one call.
+
+        Args:
+            inputs (sequence of Tensor): one input per table (a list or a
+                tuple of ``len(self)`` entries), each in any form its table
+                takes (1-D with offsets, 2-D, nested).
+            offsets (sequence of Tensor, optional): None, or one entry per
+                table (an entry may be None), as the table's ``offsets``.
+                Default: None
+            per_sample_weights (sequence of Tensor, optional): None, or one
+                entry per table (an entry may be None), as the table's
+                ``per_sample_weights``. Default: None
+
+        Returns:
+            list of Tensor: ``[self[k](inputs[k], offsets[k],
+            per_sample_weights[k]) for k in range(len(self))]``, each of
+            shape ``(B_k, embedding_dim_k)`` for an EmbeddingBag, on that
+            table's ``output_device``.
+
+        Raises:
+            TypeError: an argument that is not a list or tuple (a tensor
+                included) where one entry per table is expected.
+            ValueError: a sequence whose length is not the number of
+                tables.
+        """
         count = len(self)
         inputs = _per_table(inputs, count, "inputs")
         offsets = _per_table(offsets, count, "offsets")

@@ -25,15 +25,32 @@ def replace_embeddings(model, min_rows=0, *, sparse=True, progress=None):
     ``load_state_dict`` or :func:`hostembed.load`, so such a model is filled
     from a checkpoint without ever holding the table twice. A module used in
     several places is replaced by one shared hostembed.Embedding.
-
-    sparse: True (the default) makes each table's gradient row-sparse, as
-    ``torch.nn.Embedding = hostembed.Embedding`` before the model is built
-    does: torch's dense optimizers (Adam, AdamW, ...) still give their
-    dense results, without a table-sized gradient (see the training-scripts
-    guide). None keeps each module's own ``sparse`` flag (torch's default
-    is False: a dense gradient of the whole table every step, with a
-    warning). Build optimizers after replacing: the old parameters are no
+    Subclasses of torch's two (other than hostembed's) are not replaced, with
+    a warning. Build optimizers after replacing: the old parameters are no
     longer part of the model.
+
+    Args:
+        model (torch.nn.Module): the model whose modules are replaced in
+            place (or one ``nn.Embedding`` / ``nn.EmbeddingBag`` itself).
+        min_rows (int, optional): replace only tables of at least that many
+            rows (``num_embeddings``); an int >= 0 (ValueError otherwise).
+            Default: ``0`` (every one)
+        sparse (bool, optional): keyword-only: True makes each table's
+            gradient row-sparse, as ``torch.nn.Embedding =
+            hostembed.Embedding`` before the model is built does: torch's
+            dense optimizers (Adam, AdamW, ...) still give their dense
+            results, without a table-sized gradient (see the
+            training-scripts guide). False makes every gradient dense; None
+            keeps each module's own ``sparse`` flag (torch's default is
+            False: a dense gradient of the whole table every step, with a
+            warning). Default: ``True``
+        progress (bool, optional): keyword-only: show a tqdm progress bar
+            while rows move (None: for tables of 1 GiB and more, on a
+            terminal). Default: None
+
+    Returns:
+        torch.nn.Module: ``model``, or its replacement when ``model`` itself
+        is an ``nn.Embedding`` or ``nn.EmbeddingBag``.
     """
     if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 0:
         raise ValueError(f"replace_embeddings: min_rows must be an int >= 0, got {min_rows!r}")

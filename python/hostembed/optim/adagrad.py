@@ -26,11 +26,57 @@ class Adagrad(HostStep, torch.optim.Adagrad):
     is not 0). weight_decay must be 0 for host tables (torch's Adagrad
     raises for it with any sparse gradient).
 
-    ``state_dtype`` (keyword-only; hostembed tables only) keeps ``sum`` in
-    torch.bfloat16, torch.float16, or torch.int8 (uint8 codes of its square
-    root and a float32 ``sum_scale`` per 256 columns of a row), stored
-    rounded to ``state_rounding`` ("nearest" or "stochastic"); see
-    SparseAdam. The default float32 is torch's Adagrad exactly.
+    The keyword-only ``state_dtype`` and ``state_rounding`` hold for the
+    whole optimizer: they are in ``defaults`` and in every param group, and
+    a param group that asks another value raises ValueError.
+
+    Args:
+        params (iterable): an iterable of parameters (or named parameters)
+            to optimize, or of dicts defining parameter groups; hostembed
+            tables and any other parameters.
+        lr (float or Tensor, optional): the learning rate, >= 0 (ValueError
+            otherwise). Default: ``1e-2``
+        lr_decay (float, optional): the learning rate decay, >= 0
+            (ValueError otherwise): step t uses
+            ``lr / (1 + (t - 1) * lr_decay)``. Default: ``0``
+        weight_decay (float, optional): weight decay (L2 penalty), >= 0
+            (ValueError otherwise); must be 0 in a group with hostembed
+            tables (ValueError), see above. Default: ``0``
+        initial_accumulator_value (float, optional): the initial value of
+            the sum of squares of gradients (``sum``), >= 0 (ValueError
+            otherwise). Default: ``0``
+        eps (float, optional): the term added to the denominator to improve
+            numerical stability, >= 0 (ValueError otherwise).
+            Default: ``1e-10``
+        foreach (bool, optional): whether torch's foreach implementation
+            steps the other parameters (None: torch's choice, foreach on
+            CUDA); host tables are always updated by the core.
+            Default: None
+        maximize (bool, optional): keyword-only: maximize the objective with
+            respect to the params, instead of minimizing (host tables too).
+            Default: ``False``
+        differentiable (bool, optional): keyword-only: whether autograd goes
+            through torch's step of the other parameters; not in a group
+            with hostembed tables, which the core updates in place
+            (ValueError). Default: ``False``
+        fused (bool, optional): keyword-only: True applies each hostembed
+            table's update in backward, from the lookup's output gradient
+            (the same bits, no ``weight.grad``; step() after each backward,
+            as :class:`SparseAdam`'s ``fused``), and keeps torch's meaning
+            for the other parameters (torch's fused CPU implementation). A
+            table already updated in backward by another fused optimizer
+            raises ValueError. Default: None (not fused)
+        state_dtype (torch.dtype, optional): keyword-only; hostembed tables
+            only: keeps ``sum`` in torch.float32 (torch's Adagrad exactly),
+            torch.bfloat16, torch.float16, or torch.int8 (uint8 codes of its
+            square root and a float32 ``sum_scale`` per 256 columns of a
+            row); the strings and None as :class:`SparseAdam`'s
+            ``state_dtype`` (ValueError for anything else).
+            Default: ``torch.float32``
+        state_rounding (str, optional): keyword-only: how updated compact
+            ``sum`` values are stored: rounded to ``"nearest"`` or
+            ``"stochastic"`` (unbiased), as :class:`SparseAdam`'s (ValueError
+            for any other). Default: ``"nearest"``
     """
 
     _name = "Adagrad"

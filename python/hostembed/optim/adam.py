@@ -131,7 +131,59 @@ class Adam(_TableAdam, torch.optim.Adam):
     not correctly rounded, the core's is), for a whole model: a hostembed
     table's step by the core over every row without a dense gradient, every
     other parameter by torch's step, fused by default (``fused=None``)
-    where torch has the kernel."""
+    where torch has the kernel.
+
+    Host tables must be float32 or float64 (ValueError for half tables:
+    ``torch.optim.Adam`` itself takes them, through a dense gradient).
+
+    Args:
+        params (iterable): an iterable of parameters (or named parameters)
+            to optimize, or of dicts defining parameter groups; hostembed
+            tables and any other parameters.
+        lr (float or Tensor, optional): the learning rate, >= 0 (ValueError
+            otherwise), as torch's (a Tensor lr as torch takes it).
+            Default: ``1e-3``
+        betas (Tuple[float, float], optional): the coefficients used for
+            computing the running averages of the gradient and of its
+            square, each in ``[0, 1)`` (ValueError otherwise). As torch's
+            dense Adam, every row's moments decay at every step, rows
+            without gradient included. Default: ``(0.9, 0.999)``
+        eps (float, optional): the term added to the denominator to improve
+            numerical stability, >= 0 (ValueError otherwise).
+            Default: ``1e-8``
+        weight_decay (float, optional): weight decay (L2 penalty: the weight
+            added to the gradient), >= 0 (ValueError otherwise); on a host
+            table, every row every step, as torch's. Default: ``0``
+        amsgrad (bool, optional): whether to use the AMSGrad variant (a
+            ``max_exp_avg_sq`` state, also for host tables).
+            Default: ``False``
+        foreach (bool, optional): keyword-only: whether torch's foreach
+            implementation steps the other parameters (given, it turns off
+            the fused default). Default: None
+        maximize (bool, optional): keyword-only: maximize the objective with
+            respect to the params, instead of minimizing (host tables too).
+            Default: ``False``
+        capturable (bool, optional): keyword-only: whether torch's step of
+            the other parameters may be captured in a CUDA graph; refused
+            in a group with hostembed tables, which the core updates on the
+            CPU (ValueError). Default: ``False``
+        differentiable (bool, optional): keyword-only: whether autograd goes
+            through torch's step of the other parameters; refused in a
+            group with hostembed tables (ValueError). Default: ``False``
+        fused (bool, optional): keyword-only: torch's meaning, for the other
+            parameters: whether torch's fused kernel steps them. None (and
+            ``foreach``, ``capturable``, ``differentiable`` not set) means
+            fused where torch has the kernel for every other parameter
+            (floating, on a device torch's fused Adam runs on), torch's
+            default otherwise. Host tables are stepped by the core either
+            way (not in backward: :class:`SparseAdam`'s ``fused`` does
+            that), and skip a step as torch's fused kernel does when a
+            GradScaler found an inf. Default: None
+        decoupled_weight_decay (bool, optional): keyword-only, through
+            ``**kwargs``: any other keyword of the installed torch's Adam
+            goes on to it; ``decoupled_weight_decay=True`` makes it AdamW
+            (decoupled decay), host tables included. Default: ``False``
+    """
 
     _name = "Adam"
 
@@ -146,7 +198,40 @@ class Adam(_TableAdam, torch.optim.Adam):
 
 
 class AdamW(_TableAdam, torch.optim.AdamW):
-    """torch.optim.AdamW as hostembed.Adam is torch.optim.Adam."""
+    """torch.optim.AdamW as hostembed.Adam is torch.optim.Adam.
+
+    Args:
+        params (iterable): an iterable of parameters (or named parameters)
+            to optimize, or of dicts defining parameter groups; hostembed
+            tables (float32 or float64) and any other parameters.
+        lr (float or Tensor, optional): the learning rate, >= 0 (ValueError
+            otherwise). Default: ``1e-3``
+        betas (Tuple[float, float], optional): the coefficients used for
+            computing the running averages of the gradient and of its
+            square, each in ``[0, 1)``; every row's moments decay at every
+            step, as torch's. Default: ``(0.9, 0.999)``
+        eps (float, optional): the term added to the denominator to improve
+            numerical stability, >= 0. Default: ``1e-8``
+        weight_decay (float, optional): the decoupled weight decay
+            coefficient, >= 0: ``w *= 1 - lr * weight_decay`` on every row at
+            every step, before the Adam update, as torch's (unlike
+            :class:`SparseAdam`'s lazy decay of the rows a step updates).
+            Default: ``1e-2``
+        amsgrad (bool, optional): whether to use the AMSGrad variant.
+            Default: ``False``
+        maximize (bool, optional): keyword-only: maximize the objective with
+            respect to the params, instead of minimizing.
+            Default: ``False``
+        foreach (bool, optional): keyword-only: as :class:`Adam`'s.
+            Default: None
+        capturable (bool, optional): keyword-only: as :class:`Adam`'s
+            (refused with hostembed tables). Default: ``False``
+        differentiable (bool, optional): keyword-only: as :class:`Adam`'s
+            (refused with hostembed tables). Default: ``False``
+        fused (bool, optional): keyword-only: as :class:`Adam`'s (None:
+            fused where torch has the kernel for the other parameters).
+            Default: None
+    """
 
     _name = "AdamW"
 

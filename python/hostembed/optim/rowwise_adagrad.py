@@ -29,6 +29,29 @@ class RowWiseAdagrad(HostStep, torch.optim.Optimizer):
     torch.optim.Adagrad's step with the same lr, eps,
     initial_accumulator_value and maximize, in its state layout (``step``,
     ``sum``).
+
+    Args:
+        params (iterable): an iterable of parameters (or named parameters)
+            to optimize, or of dicts defining parameter groups; hostembed
+            tables and any other parameters.
+        lr (float, optional): the learning rate, a number >= 0 (ValueError
+            otherwise; not a Tensor). Default: ``1e-2``
+        eps (float, optional): the term added to the denominator to improve
+            numerical stability, >= 0 (ValueError otherwise).
+            Default: ``1e-10``
+        initial_accumulator_value (float, optional): the initial value of
+            each row's ``row_sum`` (and of torch's ``sum`` for the other
+            parameters), >= 0 (ValueError otherwise). Default: ``0.0``
+        maximize (bool, optional): keyword-only: maximize the objective with
+            respect to the params, instead of minimizing (g negated); a
+            non-bool raises TypeError. Default: ``False``
+        fused (bool, optional): keyword-only: True applies each hostembed
+            table's update in backward, from the lookup's output gradient
+            (the same bits, no ``weight.grad``; step() after each backward,
+            as :class:`SparseAdam`'s ``fused``); the other parameters are
+            stepped by step() as usual. A table already updated in backward
+            by another fused optimizer raises ValueError; a non-bool raises
+            TypeError. Default: ``False``
     """
 
     _name = "RowWiseAdagrad"

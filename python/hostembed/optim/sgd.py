@@ -20,6 +20,44 @@ class SGD(HostStep, torch.optim.SGD):
     turns each step into a pass over every row touched so far — the
     opposite of what a sparse table is for. (For a per-row adaptive step,
     use RowWiseAdagrad or SparseAdam.) Other parameters take them as usual.
+
+    Args:
+        params (iterable): an iterable of parameters (or named parameters)
+            to optimize, or of dicts defining parameter groups; hostembed
+            tables and any other parameters. Put parameters that need
+            momentum or weight decay in a group of their own.
+        lr (float or Tensor, optional): the learning rate, >= 0 (ValueError
+            otherwise; a Tensor lr must have one element). Default: ``1e-3``
+        momentum (float, optional): the momentum factor, >= 0 (ValueError
+            otherwise); must be 0 in a group with hostembed tables
+            (ValueError), see above. Default: ``0``
+        dampening (float, optional): dampening for momentum; with momentum 0
+            (as host tables have it) it changes nothing. Default: ``0``
+        weight_decay (float, optional): weight decay (L2 penalty), >= 0
+            (ValueError otherwise); must be 0 in a group with hostembed
+            tables (ValueError), see above. Default: ``0``
+        nesterov (bool, optional): enables Nesterov momentum; as torch's, it
+            needs a momentum > 0 and zero dampening (ValueError otherwise),
+            so not in a group with hostembed tables. Default: ``False``
+        maximize (bool, optional): keyword-only: maximize the objective with
+            respect to the params, instead of minimizing (host tables too:
+            ``w += lr * g``). Default: ``False``
+        foreach (bool, optional): keyword-only: whether torch's foreach
+            implementation steps the other parameters (None: torch's choice,
+            foreach on CUDA); host tables are always updated by the core.
+            Default: None
+        differentiable (bool, optional): keyword-only: whether autograd goes
+            through torch's step of the other parameters; not in a group
+            with hostembed tables, which the core updates in place
+            (ValueError). Default: ``False``
+        fused (bool, optional): keyword-only: True applies each hostembed
+            table's update in backward, from the lookup's output gradient
+            (the same bits, no ``weight.grad``; step() after each backward,
+            as :class:`SparseAdam`'s ``fused``), and keeps torch's meaning
+            for the other parameters (torch's fused implementation; not with
+            ``foreach=True`` or ``differentiable=True``, RuntimeError). A
+            table already updated in backward by another fused optimizer
+            raises ValueError. Default: None (not fused)
     """
 
     _name = "SGD"

@@ -39,50 +39,93 @@ class SparseAdam(torch.optim.SparseAdam):
     Adam's state layout; so ``SparseAdam(model.parameters())`` trains a
     whole model, its tables lazily and its dense layers as Adam does.
 
-    ``update`` says where the update of a table with GPU outputs runs:
-    ``"gpu"`` by a kernel through the pinned mapping, reading the gradient
-    the GPU backward left in GPU memory (the optimizer state is pinned on
-    the first such step); ``"cpu"`` by the core's threads from the pinned
-    copy of the gradient; ``"auto"`` (default) times both on the first
-    steps of each table (3 counted steps each, after one warm-up) and keeps
-    the faster (its GPU trial pins both moments, which makes them resident,
-    and they stay pinned). All give the same bits. The update is complete in host
-    memory when step() returns. Tables with CPU outputs always update on
-    the CPU.
+    Compact state (``state_dtype``, ``rowwise_exp_avg_sq``,
+    ``state_rounding``; hostembed tables only, other parameters keep
+    torch's float state): the default (float32, element-wise) is torch's
+    SparseAdam exactly; the compact forms are not, and the README measures
+    what they cost in model quality. A compact state updates on the CPU (a
+    table with GPU outputs copies its gradient to the host); a row cache
+    keeps it in host-memory records (a GPU cache moves there, with a
+    warning), rounded to nearest only. Any saved form loads into any other
+    (optim/compact_state.py).
 
-    ``weight_decay`` (keyword-only, default 0; torch's SparseAdam has
-    none): AdamW's decoupled decay, lazily, on the rows each step updates:
-    ``w *= 1 - lr * weight_decay`` before their Adam update, as AdamW
-    orders it; rows a step does not touch are not decayed (a dense decay
-    would be a pass over the whole table every step). Host tables only.
+    The keyword-only ``update``, ``fused``, ``state_dtype``,
+    ``rowwise_exp_avg_sq`` and ``state_rounding`` hold for the whole
+    optimizer: they are in ``defaults`` and in every param group, as torch
+    keeps its keywords, and a param group that asks another value raises
+    ValueError (build another optimizer for those parameters).
 
-    ``fused=True`` applies each hostembed table's update in backward, at
-    the end of the backward pass, straight from the lookup's output
-    gradient: no ``weight.grad`` is built, and the gradient never goes
-    through memory (CPU) or to the host (GPU outputs, updated on the GPU
-    unless ``update="cpu"``). The weights and moments are the same bits as
-    unfused training. step() must follow each backward() (gradient
-    accumulation over several backward() calls raises RuntimeError), and
-    the tables' gradients cannot be clipped or inspected. Other parameters
-    are updated by step() as usual; state_dict() is the same either way.
-
-    Compact state (keyword-only; hostembed tables only, other parameters
-    keep torch's float state): ``state_dtype`` keeps both moments in
-    torch.bfloat16 or torch.float16 (2 bytes an element), or torch.int8 (8
-    bits an element and a float32 scale per 256 columns of a row: exp_avg
-    as int8 codes of its square root, exp_avg_sq as uint8 codes of its fourth
-    root; the
-    state dict shows the codes and ``exp_avg_scale``/``exp_avg_sq_scale``).
-    ``rowwise_exp_avg_sq=True`` keeps one second moment a row, the mean of
-    the row's squared gradient (FBGEMM's partial row-wise Adam): D + 1
-    values of state a row instead of 2D. ``state_rounding`` stores updated
-    moments rounded to "nearest" (default) or "stochastic" (unbiased).
-    The default (float32, element-wise) is torch's SparseAdam exactly; the
-    compact forms are not, and the README measures what they cost in model
-    quality. A compact state updates on the CPU (a table with GPU outputs
-    copies its gradient to the host); a row cache keeps it in host-memory
-    records (a GPU cache moves there, with a warning), rounded to nearest
-    only. Any saved form loads into any other (optim/compact_state.py).
+    Args:
+        params (iterable): an iterable of parameters (or named parameters)
+            to optimize, or of dicts defining parameter groups; hostembed
+            tables and any other parameters, as torch's. Sparse or complex
+            parameter tensors raise ValueError, as torch's.
+        lr (float or Tensor, optional): the learning rate, > 0 (ValueError
+            otherwise; a Tensor lr must have one element). Default: ``1e-3``
+        betas (Tuple[float, float], optional): the coefficients used for
+            the running averages of the gradient and of its square, each in
+            ``[0, 1)`` (ValueError otherwise). As torch's SparseAdam, a
+            table row's moments decay only at the steps whose gradient holds
+            the row (lazily), and the bias correction counts the steps of
+            the table, not of the row. Default: ``(0.9, 0.999)``
+        eps (float, optional): the term added to the denominator to improve
+            numerical stability, > 0 (ValueError otherwise).
+            Default: ``1e-8``
+        maximize (bool, optional): maximize the objective with respect to
+            the params, instead of minimizing (the gradient is negated).
+            Default: ``False``
+        update (str, optional): keyword-only: where the update of a table
+            with GPU outputs runs: ``"gpu"`` by a kernel through the pinned
+            mapping, reading the gradient the GPU backward left in GPU
+            memory (the optimizer state is pinned on the first such step);
+            ``"cpu"`` by the core's threads from the pinned copy of the
+            gradient; ``"auto"`` times both on the first steps of each table
+            (3 counted steps each, after one warm-up) and keeps the faster
+            (its GPU trial pins both moments, which makes them resident, and
+            they stay pinned). All give the same bits. The update is
+            complete in host memory when step() returns. Tables with CPU
+            outputs always update on the CPU. Any other value raises
+            ValueError. Default: ``"auto"``
+        fused (bool, optional): keyword-only: True applies each hostembed
+            table's update in backward, at the end of the backward pass,
+            straight from the lookup's output gradient: no ``weight.grad``
+            is built, and the gradient never goes through memory (CPU) or to
+            the host (GPU outputs, updated on the GPU unless
+            ``update="cpu"``). The weights and moments are the same bits as
+            unfused training. step() must follow each backward() (gradient
+            accumulation over several backward() calls raises
+            RuntimeError), and the tables' gradients cannot be clipped or
+            inspected. Other parameters are updated by step() as usual;
+            state_dict() is the same either way. A non-bool raises
+            TypeError. (torch's SparseAdam has no ``fused``.)
+            Default: ``False``
+        weight_decay (float, optional): keyword-only; torch's SparseAdam has
+            none: AdamW's decoupled decay, lazily, on the rows each step
+            updates: ``w *= 1 - lr * weight_decay`` before their Adam
+            update, as AdamW orders it; rows a step does not touch are not
+            decayed (a dense decay would be a pass over the whole table
+            every step). >= 0 (ValueError otherwise); not 0 only in a param
+            group of hostembed tables (ValueError for a group with other
+            parameters). Default: ``0.0``
+        state_dtype (torch.dtype, optional): keyword-only: the dtype of both
+            moments of a host table: torch.float32 (torch's), or
+            torch.bfloat16 or torch.float16 (2 bytes an element; float16
+            underflows small squared gradients and warns), or torch.int8 (8
+            bits an element and a float32 scale per 256 columns of a row:
+            exp_avg as int8 codes of its square root, exp_avg_sq as uint8
+            codes of its fourth root; the state dict shows the codes and
+            ``exp_avg_scale``/``exp_avg_sq_scale``). Also the strings
+            ``"float32"``, ``"bfloat16"``, ``"float16"`` and ``"int8"``;
+            None means float32; anything else raises ValueError.
+            Default: ``torch.float32``
+        rowwise_exp_avg_sq (bool, optional): keyword-only: True keeps one
+            second moment a row, the mean of the row's squared gradient
+            (FBGEMM's partial row-wise Adam): D + 1 values of state a row
+            instead of 2D. A non-bool raises TypeError. Default: ``False``
+        state_rounding (str, optional): keyword-only: how updated compact
+            moments are stored: rounded to ``"nearest"`` or
+            ``"stochastic"`` (unbiased); any other raises ValueError.
+            Default: ``"nearest"``
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, *, update=DEFAULT_UPDATE,
