@@ -337,6 +337,21 @@ def test_a_failed_sync_or_description_write_names_its_file(tmp_path, monkeypatch
     assert clean(tmp_path / "t")
 
 
+def test_a_relative_storage_path_stays_the_tables_after_a_change_of_directory(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b" / "t").mkdir(parents=True)
+    other = tmp_path / "b" / "t" / "state-keep.bin"
+    monkeypatch.chdir(tmp_path / "a")
+    emb = hostembed.Embedding(ROWS, 128, storage="t", cache_rows=10)
+    opt = hostembed.SparseAdam(emb.parameters(), lr=0.1)
+    train(emb, opt, 1)
+    monkeypatch.chdir(tmp_path / "b")
+    other.write_bytes(b"another table's")
+    del opt, emb  # the state files go: those of the table in a/t, not b/t's
+    gc.collect()
+    assert other.exists() and not [n for n in os.listdir(tmp_path / "a" / "t") if n.startswith("state-")]
+
+
 def test_storage_that_is_a_file_and_budgets_that_are_not_numbers_are_clear_errors(tmp_path):
     (tmp_path / "f").write_text("not a directory")
     with pytest.raises(NotADirectoryError, match="is a file, not a directory"):
@@ -520,6 +535,34 @@ def test_torchs_optimizers_after_a_plain_swap_train_a_table_on_disk_to_the_same_
             opt.step()
     assert disk.cache_stats["fetches"] > 0
     assert torch.equal(disk.weight, memory.weight)
+
+
+@pytest.mark.parametrize("initial", [0.0, 0.25])
+def test_torchs_adagrad_makes_its_state_of_a_table_on_disk_in_a_file_not_in_ram(tmp_path, initial):
+    """torch.optim.Adagrad makes its sum with full_like(weight) at
+    construction; for a table on disk that is a file of the table, never a
+    table-sized tensor in RAM."""
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    rows = 400_000  # 205 MB of float32 state
+    disk = hostembed.Embedding(rows, 128, storage=tmp_path / "t", cache_rows=64)
+    before = rss()
+    opt = torch.optim.Adagrad(disk.parameters(), lr=0.05, initial_accumulator_value=initial)
+    grown = rss() - before
+    total = opt.state[disk.weight]["sum"]
+    assert disk._table.files.row_file_of(total) is not None, "sum is not in a file of the table"
+    assert grown < 40 << 20, f"RSS grew {grown >> 20} MiB at construction"
+    assert type(total) is torch.Tensor and float(total[rows - 1, 0]) == initial
+    # torch's other functions on the weight are torch's, with plain tensors.
+    assert type(disk.weight.detach()) is torch.Tensor and type(torch.zeros_like(disk.weight, dtype=torch.float64)) \
+        is torch.Tensor
+    ids = torch.tensor([1, 5, 5, rows - 1])
+    disk(ids).sum().backward()
+    opt.step()
+    disk.flush_cache()
+    assert float(total[5, 0]) == initial + 4.0 and float(total[2, 0]) == initial
 
 
 @pytest.mark.parametrize("module", ["bags", "rows"])

@@ -30,7 +30,7 @@ import weakref
 import torch
 
 from . import _C
-from .table import dtype_name, host_tensor, map_shared
+from .table import dtype_name, host_tensor, map_shared, table_of
 
 MANIFEST = "table.json"
 FORMAT = "hostembed table files"
@@ -208,7 +208,9 @@ class TableFiles:
     optimizers that live."""
 
     def __init__(self, path, num_rows, dim, dtype):
-        self.path = os.fspath(path)
+        # Absolute: a state file is removed by path when its optimizer goes,
+        # which may be after the program changed directory.
+        self.path = os.path.abspath(os.fspath(path))
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise NotADirectoryError(f"storage={self.path!r} is a file, not a directory: give a directory for the "
                                      "table's files (a new or empty one for a new table)")
@@ -391,3 +393,64 @@ class TableFiles:
         while the table is open: its rows live only in this process."""
         return os.fstat(self.weight.fd).st_nlink == 0
 
+
+
+# torch's functions that make a state tensor like a parameter, as torch's
+# optimizers call them: full_like(p, value, memory_format=...) for
+# Adagrad's sum at construction, zeros_like(p, ...) for a moment.
+_STATE_LIKE = (torch.full_like, torch.zeros_like)
+
+
+class FileTableParameter(torch.nn.Parameter):
+    """The weight of a table kept on disk: an nn.Parameter whose
+    ``torch.full_like`` / ``torch.zeros_like`` (as torch's optimizers call
+    them) make the state in a file of the table, as hostembed's optimizers
+    do. torch.optim.Adagrad makes its ``sum`` that way at construction: a
+    table-sized tensor in RAM, which a table on disk must never need.
+    Every other function is torch's, with a plain tensor result, as for
+    nn.Parameter; only tables on disk pay for the check."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _STATE_LIKE and args and isinstance(args[0], cls):
+            state = _state_in_file(func, args, kwargs)
+            if state is not None:
+                return state
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _state_in_file(func, args, kwargs):
+    """A state tensor in a file of args[0]'s table, or None where torch's
+    call asks for something else (another dtype, device or layout)."""
+    p, table = args[0], table_of(args[0])
+    value = args[1] if func is torch.full_like and len(args) > 1 else kwargs.get("fill_value", 0)
+    plain = set(kwargs) <= {"fill_value", "memory_format"} \
+        and kwargs.get("memory_format", torch.preserve_format) in (torch.preserve_format, torch.contiguous_format)
+    if table is None or table.files is None or not plain or len(args) > (2 if func is torch.full_like else 1) \
+            or table.state_dtype != p.dtype or isinstance(value, complex):
+        return None
+    return fill_state(table, table.zeros(), value)
+
+
+def fill_state(table, state, value, chunk_rows=1 << 16):
+    """state (a new state tensor of `table`) filled with `value`: for a table
+    on disk through its file's row writes (the rows then never pass
+    through the process's mapping, so the fill costs no RAM), else in place."""
+    row_file = table.files.row_file_of(state) if table.files is not None else None
+    if value == 0 and row_file is not None:
+        return state  # written with zeros when made
+    if row_file is None:
+        return state.fill_(value)
+    block = torch.full((min(chunk_rows, row_file.num_rows), row_file.width), value, dtype=row_file.dtype)
+    for start in range(0, row_file.num_rows, chunk_rows):
+        rows = torch.arange(start, min(start + chunk_rows, row_file.num_rows))
+        row_file.write(rows, block[:rows.numel()])
+    return state
+
+
+def weight_parameter(table, requires_grad):
+    """The module's weight over `table`'s rows: a FileTableParameter for a
+    table on disk, else an nn.Parameter."""
+    cls = FileTableParameter if table.files is not None else torch.nn.Parameter
+    return cls(table.tensor, requires_grad=requires_grad)

@@ -14,7 +14,7 @@ from .._core.cuda import require_cuda, resolve_device, unavailable_reason
 from .._core.ops.cache_plan import MAX_CACHE_ROWS
 from .._core.ops.common import CUDA_COMPILED
 from .._core.table import HostTable, check_table_dtype, compute_dtype, dtype_name
-from .._core.table_files import TableFiles
+from .._core.table_files import TableFiles, weight_parameter
 from ..io import validate as _validate
 from ..io.files import FileRows, open_table
 from ..io.stream import copy_rows, read_rows
@@ -153,7 +153,7 @@ class HostTableModule:
             raise ValueError(f"{name}: ram_budget= limits the RAM of a table kept on disk; give storage= too")
         else:
             self._table = HostTable(num_embeddings, embedding_dim, dtype=dtype, first_touch=True)
-        self.weight = nn.Parameter(self._table.tensor, requires_grad=not _freeze)
+        self.weight = weight_parameter(self._table, requires_grad=not _freeze)
         self._table.bind(self.weight)
         # "gpu" or "cpu": which path the last forward took (tests assert the
         # GPU kernels ran, not the CPU fallback).
@@ -302,7 +302,7 @@ class HostTableModule:
         if (table.num_rows, table.dim, table.dtype) != (old.num_rows, old.dim, old.dtype):
             raise ValueError(f"{self._get_name()}: a [{table.num_rows}, {table.dim}] {table.dtype} table cannot "
                              f"replace a [{old.num_rows}, {old.dim}] {old.dtype} one")
-        weight = nn.Parameter(table.tensor, requires_grad=self._parameters["weight"].requires_grad)
+        weight = weight_parameter(table, requires_grad=self._parameters["weight"].requires_grad)
         self._table = table
         self.weight = weight
         table.bind(weight)

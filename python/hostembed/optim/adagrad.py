@@ -4,6 +4,7 @@ import torch
 
 from .._core.ops import update as update_ops
 from .._core.table import table_of
+from .._core.table_files import fill_state
 from ..io import validate as _validate
 from .base import HostStep, non_negative, owned_state, refuse_differentiable
 from .compact_state import CODE_DTYPES, StateForm, check_saved, scale_key
@@ -123,7 +124,7 @@ class Adagrad(HostStep, torch.optim.Adagrad):
             return
         state.update(self._form.new(table, "sum", nonnegative=True))
         if initial != 0:
-            state["sum"].fill_(initial)
+            fill_state(table, state["sum"], initial)
 
     def _check_group(self, group, where):
         _validate.require_keys(group, ("lr", "lr_decay", "eps", "weight_decay", "initial_accumulator_value"), where)
