@@ -30,15 +30,23 @@ batches. Contenders 2-5 and 8 (SparseAdam) must follow the same loss curve to
 float rounding, and so must 1, 6 and 7 (dense Adam, fewer steps), or the
 script fails without reporting timings.
 
+The plots carry the run's date and machine in their titles, and the JSON
+holds everything they are drawn from: --plot-from JSON draws them again
+from a run's JSON (no training), so a plot shown beside a table is that
+run's.
+
 Usage (after `pip install .`, or an in-place build with PYTHONPATH=python):
     python benchmarks/compare.py [--size default|large|tiny] [--users N --dim D ...]
+    python benchmarks/compare.py --plot-from RUN.json --out benchmarks/figures
 """
 import argparse
 import functools
 import gc
 import hashlib
+import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -131,7 +139,11 @@ def parse_args(argv=None):
                    help="contender 8: rows of each table its GPU row cache holds, as a fraction")
     p.add_argument("--device", default="auto", help="output device: auto (cuda if available, else cpu), cpu, cuda[:N]")
     p.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON and the plots")
+    p.add_argument("--plot-from", metavar="JSON",
+                   help="no run: draw the plots of the run this JSON of compare.py holds into --out")
     args = p.parse_args(argv)
+    if args.plot_from is not None:
+        return args
     for key, value in PRESETS[args.size].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -463,11 +475,14 @@ def dense_floor(cfg, out_device, batches):
     model = RecModel(FixedRows(cfg.batch, cfg.dim, out_device), FixedRows(cfg.batch, cfg.dim, out_device),
                      seeded_mlp(cfg, out_device), out_device, out_device)
     optimizers = [torch.optim.Adam(model.mlp.parameters(), lr=cfg.lr)]
+    other_load = OtherLoad()
     run_steps(model, optimizers, batches[:cfg.warmup], "dense part: warm-up")
     seconds, _ = run_steps(model, optimizers, batches[cfg.warmup:cfg.warmup + cfg.steps], "dense part: timed")
     del model, optimizers
     release_memory()
-    return summarize_ms(seconds)
+    floor = summarize_ms(seconds)
+    floor["cpu_fraction_used_by_others"] = other_load.fraction()
+    return floor
 
 
 # --- checks ---------------------------------------------------------------------------------
@@ -521,6 +536,67 @@ def add_speedups(results):
             r["speedup_vs_torch_sparse_cpu"] = base / r["median_ms"] if base else None
 
 
+NOISY_LOAD = 0.05  # others' share of the CPUs above which a run's timings are called noisy
+
+
+def _load(fraction):
+    return "an unknown share" if fraction is None else f"{fraction:.0%}"
+
+
+def timing_notes(results, floor):
+    """Notes on figures that do not mean what they seem to: a contender
+    below the dense part alone (a floor no table can beat: measurement
+    noise) and the fused contender slower than the unfused one. Each names
+    the other processes' share of the CPUs while the figures were taken."""
+    notes = []
+    floor_ms = floor.get("median_ms") if floor else None
+    for c in CONTENDERS:
+        r = results.get(c.key, {})
+        if floor_ms is None or "median_ms" not in r or r["median_ms"] >= floor_ms:
+            continue
+        notes.append(
+            f"Note: {c.number}. took {fmt_ms(r['median_ms'])} ms a step, {fmt_ms(floor_ms - r['median_ms'])} ms "
+            f"less than the dense part alone ({fmt_ms(floor_ms)} ms), which does all of its work but the tables': "
+            f"measurement noise, not a gain. Other processes used {_load(r.get('cpu_fraction_used_by_others'))} "
+            f"of the CPUs while it ran and {_load(floor.get('cpu_fraction_used_by_others'))} while the floor ran; "
+            "its step time beyond the floor is not a figure to quote.")
+    plain, fused = results.get(HOSTEMBED.key, {}), results.get(HOSTEMBED_FUSED.key, {})
+    if "median_ms" in plain and "median_ms" in fused and fused["median_ms"] > plain["median_ms"]:
+        loads = [r.get("cpu_fraction_used_by_others") for r in (plain, fused)]
+        note = (f"Note: {HOSTEMBED_FUSED.number}. (fused) took {fmt_ms(fused['median_ms'])} ms a step against "
+                f"{fmt_ms(plain['median_ms'])} for {HOSTEMBED.number}. (unfused), "
+                f"{fused['median_ms'] / plain['median_ms']:.2f}x its time. Other processes used {_load(loads[0])} "
+                f"of the CPUs during {HOSTEMBED.number}. and {_load(loads[1])} during {HOSTEMBED_FUSED.number}.; ")
+        if all(x is not None and x <= NOISY_LOAD for x in loads):
+            note += ("that is little, so the difference is this machine's, not noise: fusing does not pay here "
+                     "for this workload.")
+        else:
+            note += ("the contenders run one after another, so other load can account for the difference: "
+                     "rerun on an idle machine (or time both in interleaved rounds, as cpu_step.py does) before "
+                     "concluding that fusing does not pay here.")
+        notes.append(note)
+    return notes
+
+
+def run_date(report, json_path=None):
+    """The run's date: the one its JSON records, else a YYYY-MM-DD in the
+    JSON's path (runs kept before the JSON held a date), else None."""
+    if report.get("date"):
+        return report["date"]
+    found = re.findall(r"\d{4}-\d{2}-\d{2}", json_path or "")
+    return found[-1] if found else None
+
+
+def run_label(report, date):
+    """The run's date and machine, for the plots' titles."""
+    m = report.get("machine", {})
+    cpus = f"{m.get('usable_cpus', '?')} CPUs ({m.get('cpu_model', 'unknown CPU')})"
+    gpu = m.get("gpu")
+    where = f"{gpu['name']} + {cpus}" if gpu else cpus
+    return (f"{date or 'date not recorded'}, {where}, torch {m.get('torch', '?')}, "
+            f"outputs on {m.get('output_device', '?')}")
+
+
 def print_report(cfg, report, json_path, plots, plots_note):
     results, wl = report["contenders"], report["workload"]
     out = report["machine"]["output_device"]
@@ -551,6 +627,8 @@ def print_report(cfg, report, json_path, plots, plots_note):
                        for c in CONTENDERS if "median_ms" in results[c.key]) or "no contender ran"
     print(f"\nDense part alone (MLP, loss and Adam on fixed embedding outputs): {fmt_ms(floor)} ms/step, a floor "
           f"no table can beat. Step time beyond it, ms: {beyond}.")
+    for note in report.get("notes", ()):
+        print(note)
     for agree in (report["agreement"], report["dense_agreement"]):
         if not agree["checked"]:
             print(f"Agreement: not checked ({agree['reason']}).")
@@ -563,19 +641,23 @@ def print_report(cfg, report, json_path, plots, plots_note):
     print("1., 6. and 7. use dense Adam, a different optimizer from 2.-5.'s SparseAdam: they are compared with "
           "each other.")
     others = report["other_load"]["cpu_fraction_used_by_others"]
-    if others is not None and others > 0.05:
+    if others is not None and others > NOISY_LOAD:
         print(f"Other processes used {others:.0%} of the CPUs during the run: timings are noisy, rerun on an idle machine.")
     print(f"\nWall time {report['wall_s']:.0f} s. JSON: {json_path}")
     print(f"Plots: {', '.join(plots)}" if plots else plots_note)
 
 
-def plot_ms_per_step(cfg, results, floor_ms):
-    ran = [c for c in CONTENDERS if "median_ms" in results[c.key]]
+def plot_ms_per_step(cfg, results, floor_ms, run):
+    # .get: the JSON of an older run (--plot-from) may not know every contender.
+    ran = [c for c in CONTENDERS if "median_ms" in results.get(c.key, {})]
 
     def draw(plt):
         fig, ax = plt.subplots(figsize=(9, 1.2 + 0.6 * len(ran)))
         ms = [results[c.key]["median_ms"] for c in ran]
-        ax.barh([f"{c.number}. {c.label}" for c in ran], ms, color="tab:blue")
+        fraction = getattr(cfg, "cache_fraction", None)  # absent from the JSON of runs before contender 8
+        cached = "" if fraction is None else f" ({fraction:.0%} of the rows)"
+        ax.barh([f"{c.number}. {c.label}" + (cached if c is HOSTEMBED_CACHED else "") for c in ran], ms,
+                color="tab:blue")
         for y, v in enumerate(ms):
             ax.text(v, y, f" {fmt_ms(v)} ms", va="center")
         ax.axvline(floor_ms, color="gray", linestyle="--", label=f"dense part alone ({fmt_ms(floor_ms)} ms)")
@@ -583,17 +665,20 @@ def plot_ms_per_step(cfg, results, floor_ms):
         ax.set_xlim(right=max(ms) * 4)
         ax.invert_yaxis()
         ax.set_xlabel("ms per training step (median, log scale)")
-        ax.set_title(f"users {cfg.users:,} + items {cfg.items:,} rows x {cfg.dim}, batch {cfg.batch:,}")
+        ax.set_title(f"{run}\nusers {cfg.users:,} + items {cfg.items:,} rows x {cfg.dim}, batch {cfg.batch:,}",
+                     fontsize=10)
         ax.legend(loc="lower right")
-        skipped = [f"{c.number}. skipped: {results[c.key]['skipped']}" for c in CONTENDERS if "skipped" in results[c.key]]
+        skipped = [f"{c.number}. skipped: {results[c.key]['skipped']}" for c in CONTENDERS
+                   if "skipped" in results.get(c.key, {})]
         if skipped:
             fig.text(0.01, -0.02, "\n".join(skipped), fontsize=8, va="top")
         return fig
     return draw
 
 
-def plot_losses(cfg, results, agreement):
-    ran = [c for c in CONTENDERS if "losses" in results[c.key]]
+def plot_losses(cfg, results, agreement, run):
+    ran = [c for c in CONTENDERS if "losses" in results.get(c.key, {})]
+    agreeing = ", ".join(f"{c.number}." for c in AGREEING if c in ran)
     styles = {1: ("tab:red", "-", "o"), 2: ("tab:orange", "-", None), 3: ("tab:green", "--", None),
               4: ("tab:blue", ":", None), 5: ("tab:purple", "-.", None), 6: ("tab:brown", "-", "s"),
               7: ("tab:cyan", ":", "^"), 8: ("tab:olive", "--", "x")}
@@ -607,7 +692,7 @@ def plot_losses(cfg, results, agreement):
                      label=f"{c.number}. {c.label}")
         top.set_ylabel("BCE loss (training batch)")
         top.legend(fontsize=8)
-        top.set_title("Same start, same batches: 2.-4. must overlap")
+        top.set_title(f"{run}\nSame start, same batches: SparseAdam's {agreeing} must overlap", fontsize=10)
         if agreement["checked"]:
             ref = np.array(results[agreement["reference"]]["losses"])
             for key in agreement["contenders"]:
@@ -651,9 +736,42 @@ def run_contenders(cfg, out_device, batches, peak):
 
 # --- main --------------------------------------------------------------------------------
 
+def draw_plots(cfg, report, out_dir, run):
+    """The run's plots (ms per step, loss curves) from its report, titled
+    with `run` (its date and machine); (paths written, note)."""
+    results = report["contenders"]
+    ran = any("median_ms" in r for r in results.values())
+    stem = f"compare_{cfg.size}"
+    plots, note = write_plots(out_dir, {
+        f"{stem}_ms_per_step.png": plot_ms_per_step(cfg, results, report["dense_floor"]["median_ms"], run),
+        f"{stem}_loss.png": plot_losses(cfg, results, report["agreement"], run),
+    } if ran else {})
+    return plots, note or ("" if ran else "plots skipped: no contender ran")
+
+
+def plot_from(json_path, out_dir):
+    """--plot-from: the plots of a run already made, from its JSON."""
+    with open(json_path) as f:
+        report = json.load(f)
+    if report.get("benchmark") != "compare":
+        sys.exit(f"{json_path} is not a JSON of compare.py (benchmark: {report.get('benchmark')!r})")
+    cfg = argparse.Namespace(**report["config"])
+    date = run_date(report, os.path.abspath(json_path))
+    if not report.get("date"):
+        log(f"{json_path} records no date; " + (f"the date in its path, {date}, titles the plots" if date else
+                                                 "the plots say the date was not recorded"))
+    plots, note = draw_plots(cfg, report, out_dir, run_label(report, date))
+    for line in timing_notes(report["contenders"], report["dense_floor"]):
+        print(line)
+    print(f"Plots: {', '.join(plots)}" if plots else note)
+
+
 def main(argv=None):
     wall_t0 = time.perf_counter()
     cfg = parse_args(argv)
+    if cfg.plot_from is not None:
+        return plot_from(cfg.plot_from, cfg.out)
+    date = time.strftime("%Y-%m-%d")
     out_device = cfg.device
     if out_device.type == "cuda" and out_device.index is not None:
         torch.cuda.set_device(out_device)
@@ -670,6 +788,7 @@ def main(argv=None):
 
     report = {
         "benchmark": "compare",
+        "date": date,
         "machine": machine_info(threads=cfg.threads, torch_threads=torch.get_num_threads(),
                                 hostembed_threads=hostembed.get_num_threads(), output_device=str(out_device)),
         "config": {k: (str(v) if k == "device" else v) for k, v in vars(cfg).items()},
@@ -683,13 +802,10 @@ def main(argv=None):
     }
     peak.window()  # folds the last window into peak.overall
     report["peak_rss_bytes"] = peak.overall
+    report["notes"] = timing_notes(results, floor)
     stem = f"compare_{cfg.size}"
     ran = any("median_ms" in r for r in results.values())
-    plots, plots_note = write_plots(cfg.out, {
-        f"{stem}_ms_per_step.png": plot_ms_per_step(cfg, results, floor["median_ms"]),
-        f"{stem}_loss.png": plot_losses(cfg, results, agreement),
-    } if ran else {})
-    plots_note = plots_note or ("" if ran else "plots skipped: no contender ran")
+    plots, plots_note = draw_plots(cfg, report, cfg.out, run_label(report, report["date"]))
     report["plots"] = plots or plots_note
     report["wall_s"] = time.perf_counter() - wall_t0
     json_path = os.path.join(cfg.out, f"{stem}.json")
