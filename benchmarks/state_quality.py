@@ -1,8 +1,10 @@
 """Does compact optimizer state hold model quality?
 
 Trains three small synthetic models, each with a learnable signal (labels
-from a hidden model), with hostembed.SparseAdam over the tables in several
-forms of state, and compares each form's held-out AUC with float32 state's:
+from a hidden model), and DistMult on three real knowledge graphs, with
+hostembed.SparseAdam over the tables in several forms of state, and
+compares each form's held-out metric (AUC; filtered MRR for the graphs)
+with float32 state's:
 
   cf      collaborative filtering (benchmarks/compare.py's RecModel and data:
           user and item tables, Zipf ids, labels from a hidden rank-8 model)
@@ -11,6 +13,20 @@ forms of state, and compares each form's held-out AUC with float32 state's:
           dot interaction, top MLP
   deepfm  benchmarks/ctr_adam.py's CTRModel and data (fields sharing a factor
           table and a first-order table, FM term + MLP)
+  kg_umls, kg_nations, kg_kinships
+          DistMult (score = sum(e_h * w_r * e_t)) on UMLS (135 entities, 46
+          relations, 5,216 training triples), Nations (14, 55, 1,592) and
+          Kinships (104, 25, 8,544), read from the files that ship inside the
+          PyKEEN package (pip install pykeen==1.11.1 torch==2.13.0; skipped
+          with a message where it is missing; nothing is downloaded).
+          PyKEEN's default DistMult recipe: dimension 50, entities kept at
+          unit L2 norm after every step (its entity constrainer), an L2
+          regulariser on the relations (weight 0.1, norm / dim), one
+          negative a triple (head or tail replaced by another entity, drawn
+          once per pool sample), margin ranking loss (margin 1), batches of
+          256, table lr 3e-3. Metric: the test split's filtered MRR, head
+          and tail prediction both, a tie ranked in the middle of its group,
+          the filter every triple of train, valid and test
 
 A form is (table dtype, state dtype, row-wise second moment, state rounding):
 
@@ -40,20 +56,29 @@ round them) and sees the same batches; the seed sets both. The hidden model
 and the held-out set are the same for every seed.
 
 For each (model, form, seed): the mean training loss over each window of
---log-every steps, the held-out AUC at the end, and whether the loss became
+--log-every steps, the held-out metric at the end, and whether the loss became
 non-finite (diverged). A form "holds" where
-    |mean AUC(form) - mean AUC(ref)| <= max(ref max AUC - ref min AUC, 2e-3)
+    |mean metric(form) - mean metric(ref)| <= max(ref max - ref min, 2e-3)
 over the seeds, and no run of it diverged; ref is fp32 (torch_adam for
 bnb_adam8bit where it ran). The rule is two-sided: a form that learns faster
 fails it as a slower one does. The row-wise forms change the algorithm (one
 step size a row), not only the precision, so a difference is expected there.
+On the graphs it is large: with the entities projected back to unit norm
+every step, a step proportional to the gradient within a row (row-wise)
+lets the coordinates with the largest gradients take the norm from the
+others, and each entity and relation ends up on a few coordinates
+(--kg-diagnostics prints it).
 
-    PYTHONPATH=python python benchmarks/state_quality.py              # ~5 min on 2 vCPUs
+    PYTHONPATH=python python benchmarks/state_quality.py              # ~9 min on 2 vCPUs
     PYTHONPATH=python python benchmarks/state_quality.py --quick      # < 1 min smoke test
     PYTHONPATH=python python benchmarks/state_quality.py --models dlrm --forms fp32,int8 --seeds 5
+    PYTHONPATH=python python benchmarks/state_quality.py --models kg_umls,kg_nations,kg_kinships \
+        --forms fp32,bf16_state,int8,rowwise,bf16_table_int8_rowwise --kg-diagnostics --threads 1   # ~2 min
+    (the graphs' steps are tiny: on busy cores, --threads 1 runs them ~10x faster)
 """
 import argparse
 import datetime
+import importlib.util
 import math
 import os
 import sys
@@ -193,7 +218,149 @@ class DeepFM:
         return model
 
 
-TASKS = {t.name: t for t in (CF(), DLRMTask(), DeepFM())}
+def pykeen_datasets():
+    """The folder of the data sets that ship inside the PyKEEN package (found, not imported), or None."""
+    spec = importlib.util.find_spec("pykeen")
+    return os.path.join(os.path.dirname(spec.origin), "datasets") if spec is not None and spec.origin else None
+
+
+class DistMult(nn.Module):
+    """score(h, r, t) = sum(e_h * w_r * e_t); symmetric in h and t."""
+
+    def __init__(self, table, entities, relations, dim):
+        super().__init__()
+        self.entities, self.relations = table(entities, dim), table(relations, dim)
+
+    def forward(self, h, r, t):
+        return (self.entities(h) * self.relations(r) * self.entities(t)).sum(-1)
+
+
+class KGTask:
+    """DistMult on one of PyKEEN's bundled graphs, by PyKEEN's default
+    DistMult recipe (see the module docstring). The pool is the training
+    triples repeated for the epochs, each copy with its own negative; the
+    seed sets the initial weights and the order."""
+    batch, table_lr, dense_lr, dim, margin, reg_weight = 256, 3e-3, 0.0, 50, 1.0, 0.1
+    metric = "filtered MRR"
+
+    def __init__(self, dataset, epochs):
+        self.name, self.dataset, self.epochs = f"kg_{dataset}", dataset, epochs
+        root = pykeen_datasets()
+        self.folder = os.path.join(root, dataset) if root else None
+        self.unavailable = None if self.folder and os.path.isfile(os.path.join(self.folder, "train.txt")) else (
+            f"PyKEEN is not installed; its package ships the {dataset} files: "
+            "pip install pykeen==1.11.1 torch==2.13.0 (torch pinned to the local build)")
+        self._splits, self.steps = None, 0
+        if not self.unavailable:
+            with open(os.path.join(self.folder, "train.txt")) as f:
+                self.steps = math.ceil(epochs * sum(1 for line in f if line.strip()) / self.batch)
+
+    def splits(self):
+        """{split: LongTensor [n, 3] of (head, relation, tail) ids}; ids by sorted name over all splits."""
+        if self._splits is None:
+            rows = {}
+            for split in ("train", "valid", "test"):
+                with open(os.path.join(self.folder, split + ".txt")) as f:
+                    rows[split] = [line.rstrip("\n").split("\t") for line in f if line.strip()]
+            entities = sorted({x for r in rows.values() for h, _, t in r for x in (h, t)})
+            relations = sorted({rel for r in rows.values() for _, rel, _ in r})
+            e, rel_id = {x: i for i, x in enumerate(entities)}, {x: i for i, x in enumerate(relations)}
+            self.num_entities, self.num_relations = len(entities), len(relations)
+            self._splits = {k: torch.tensor([[e[h], rel_id[r], e[t]] for h, r, t in v]) for k, v in rows.items()}
+        return self._splits
+
+    def pool(self, n_train):
+        splits = self.splits()
+        train, test = splits["train"], splits["test"]
+        gen = torch.Generator().manual_seed(0)
+        x = train.repeat(math.ceil(n_train / train.shape[0]), 1)[:n_train]
+        h, r, t = x.unbind(1)
+        # PyKEEN's basic negative sampler: the head or the tail (even odds) replaced by another entity
+        side = torch.rand(n_train, generator=gen) < 0.5
+        other = torch.randint(self.num_entities - 1, (n_train,), generator=gen)
+        other = other + (other >= torch.where(side, h, t)).long()
+        neg_h, neg_t = torch.where(side, other, h), torch.where(side, t, other)
+        # the filter: for each test triple, the other true answers of its tail and of its head query
+        known = torch.cat(list(splits.values()))
+        tails, heads = {}, {}
+        for a, b, c in known.tolist():
+            tails.setdefault((a, b), []).append(c)
+            heads.setdefault((b, c), []).append(a)
+        n = test.shape[0]
+        self._filters = (torch.zeros(n, self.num_entities, dtype=torch.bool),
+                        torch.zeros(n, self.num_entities, dtype=torch.bool))
+        for i, (a, b, c) in enumerate(test.tolist()):
+            self._filters[0][i, tails[(a, b)]] = True
+            self._filters[0][i, c] = False
+            self._filters[1][i, heads[(b, c)]] = True
+            self._filters[1][i, a] = False
+        return (h, r, t, neg_h, neg_t), torch.zeros(n_train), tuple(test.unbind(1)), torch.zeros(n)
+
+    def model(self, table, seed):
+        self.splits()
+        torch.manual_seed(seed)
+        model = DistMult(table, self.num_entities, self.num_relations, self.dim)
+        bound = math.sqrt(6 / self.dim)  # PyKEEN's xavier_uniform_ (then its unit-norm constrainer)
+        with torch.no_grad():
+            model.entities.weight.copy_(F.normalize(torch.empty(self.num_entities, self.dim).uniform_(-bound, bound)))
+            # xavier_normal_norm_: a normal draw at unit norm
+            model.relations.weight.copy_(F.normalize(torch.randn(self.num_relations, self.dim)))
+        return model
+
+    def loss(self, model, x, y):
+        h, r, t, neg_h, neg_t = x
+        w = model.relations(r)
+        pos = (model.entities(h) * w * model.entities(t)).sum(1)
+        neg = (model.entities(neg_h) * w * model.entities(neg_t)).sum(1)
+        return F.relu(neg - pos + self.margin).mean() + self.reg_weight * (w.norm(dim=1) / self.dim).mean()
+
+    @torch.no_grad()
+    def after_step(self, model):
+        """PyKEEN's entity constrainer: every entity row back to unit L2 norm."""
+        w = model.entities.weight
+        w.copy_(F.normalize(w.float(), dim=1).to(w.dtype))
+
+    @torch.no_grad()
+    def evaluate(self, model, x, y):
+        h, r, t = x
+        everyone = model.entities(torch.arange(self.num_entities)).double()
+        w = model.relations(r).double()
+        reciprocal = []
+        for query, answer, known in ((h, t, self._filters[0]), (t, h, self._filters[1])):  # tail, head prediction
+            # the same sum in the same order for every candidate (a matmul's columns may round differently),
+            # so that equal rows tie exactly
+            q = model.entities(query).double() * w
+            scores = torch.cat([(q[i:i + 256, None, :] * everyone).sum(-1) for i in range(0, q.shape[0], 256)])
+            if not torch.isfinite(scores).all():
+                return float("nan")
+            true = scores.gather(1, answer[:, None])
+            scores = scores.masked_fill(known, -math.inf)
+            higher, ties = (scores > true).sum(1), (scores == true).sum(1)  # ties count the answer itself
+            reciprocal.append(1.0 / (1 + higher + (ties - 1) / 2).double())
+        return torch.cat(reciprocal).mean().item()
+
+    def diagnostics(self, model, opt):
+        """How many of the coordinates each entity and relation row uses (the
+        participation ratio of its squared weights), and, from a per-element
+        exp_avg_sq, how far its elements are from their row's mean: what a
+        row-wise second moment replaces them with."""
+        out = {}
+        for name, table in (("entities", model.entities), ("relations", model.relations)):
+            sq = table.weight.detach().float().pow(2)
+            out[f"{name}_coords_used"] = float(((sq.sum(1) ** 2) / sq.pow(2).sum(1)).mean())
+            state = opt.state.get(table.weight, {}) if opt is not None else {}
+            v = state.get("exp_avg_sq")
+            if v is not None and v.dim() == 2 and v.dtype == torch.float32:
+                v = v[v.sum(1) > 0]
+                ratio = (v / v.mean(1, keepdim=True)).flatten()
+                q = torch.quantile(ratio, torch.tensor([0.05, 0.5, 0.95])).tolist()
+                out[f"{name}_v_over_row_mean_q05_q50_q95"] = q
+                out[f"{name}_v_row_max_over_min_median"] = float((v.max(1).values / v.min(1).values).median())
+        return out
+
+
+KG_TASKS = (KGTask("umls", 100), KGTask("nations", 100), KGTask("kinships", 40))
+TASKS = {t.name: t for t in (CF(), DLRMTask(), DeepFM()) + KG_TASKS}
 
 
 # --- forms ------------------------------------------------------------------------------------------
@@ -230,13 +397,13 @@ def split_params(model):
 
 def optimizers(form, model, task):
     tables, dense = split_params(model)
-    groups = [{"params": tables, "lr": task.table_lr}, {"params": dense, "lr": task.dense_lr}]
+    groups = [{"params": tables, "lr": task.table_lr}] + ([{"params": dense, "lr": task.dense_lr}] if dense else [])
     if form == "bnb_adam8bit":
         return [bitsandbytes()[0].optim.Adam8bit(groups)]
     if form == "torch_adam":
         return [torch.optim.Adam(groups)]
-    return [torch.optim.Adam(dense, lr=task.dense_lr),
-            hostembed.SparseAdam(tables, lr=task.table_lr, **state_options(form))]
+    return ([torch.optim.Adam(dense, lr=task.dense_lr)] if dense else []) + [
+        hostembed.SparseAdam(tables, lr=task.table_lr, **state_options(form))]
 
 
 # --- one run ---------------------------------------------------------------------------------------
@@ -259,7 +426,11 @@ def held_out_auc(model, x, y, chunk=8192):
     return ctr_adam.auc(scores.double(), y) if torch.isfinite(scores).all() else float("nan")
 
 
-def train(task, form, seed, data, initial, steps, log_every):
+def metric_name(task):
+    return getattr(task, "metric", "AUC")
+
+
+def train(task, form, seed, data, initial, steps, log_every, diagnose=False):
     model = task.model(table_factory(form), seed)
     model.load_state_dict(initial)
     opts = optimizers(form, model, task)
@@ -267,12 +438,16 @@ def train(task, form, seed, data, initial, steps, log_every):
     curve, window, diverged, t0 = [], [], False, time.perf_counter()
     for k in range(steps):
         rows = slice(k * task.batch, (k + 1) * task.batch)
-        loss = F.binary_cross_entropy_with_logits(model(*(t[rows] for t in x)), y[rows])
+        batch_x = tuple(t[rows] for t in x)
+        loss = (task.loss(model, batch_x, y[rows]) if hasattr(task, "loss")
+                else F.binary_cross_entropy_with_logits(model(*batch_x), y[rows]))
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         loss.backward()
         for opt in opts:
             opt.step()
+        if hasattr(task, "after_step"):
+            task.after_step(model)
         window.append(loss.item())
         if not math.isfinite(window[-1]):
             diverged = True
@@ -280,23 +455,28 @@ def train(task, form, seed, data, initial, steps, log_every):
         if (k + 1) % log_every == 0 or k + 1 == steps:
             curve.append([k + 1, float(np.mean(window))])
             window = []
-    return {"seed": seed, "diverged": diverged, "curve": curve, "train_s": time.perf_counter() - t0,
-            "final_loss": curve[-1][1] if curve and not diverged else float("nan"),
-            "auc": float("nan") if diverged else held_out_auc(model, test_x, test_y)}
+    evaluate = task.evaluate if hasattr(task, "evaluate") else held_out_auc
+    result = {"seed": seed, "diverged": diverged, "curve": curve, "train_s": time.perf_counter() - t0,
+              "final_loss": curve[-1][1] if curve and not diverged else float("nan"),
+              "metric": float("nan") if diverged else evaluate(model, test_x, test_y)}
+    if diagnose and hasattr(task, "diagnostics") and form in FORMS:
+        result["diagnostics"] = task.diagnostics(model, opts[-1])
+    return result
 
 
 # --- summary, report, plot --------------------------------------------------------------------------
 
 def summarize(runs, ref, ref_name=None):
-    aucs = [r["auc"] for r in runs]
-    s = {"auc_mean": float(np.mean(aucs)), "auc_min": float(np.min(aucs)), "auc_max": float(np.max(aucs)),
+    values = [r["metric"] for r in runs]
+    s = {"metric_mean": float(np.mean(values)), "metric_min": float(np.min(values)),
+         "metric_max": float(np.max(values)),
          "final_loss_mean": float(np.mean([r["final_loss"] for r in runs])),
          "diverged": any(r["diverged"] for r in runs), "runs": runs}
     if ref is not None:
-        tolerance = max(ref["auc_max"] - ref["auc_min"], MIN_TOLERANCE)
-        s["reference"], s["delta_auc"] = ref_name, s["auc_mean"] - ref["auc_mean"]
+        tolerance = max(ref["metric_max"] - ref["metric_min"], MIN_TOLERANCE)
+        s["reference"], s["delta"] = ref_name, s["metric_mean"] - ref["metric_mean"]
         s["tolerance"] = tolerance
-        s["holds"] = bool(abs(s["delta_auc"]) <= tolerance and not s["diverged"])  # False where NaN
+        s["holds"] = bool(abs(s["delta"]) <= tolerance and not s["diverged"])  # False where NaN
     return s
 
 
@@ -309,13 +489,24 @@ def verdict(form, s):
 def print_table(name, task, results, seeds):
     print(f"\n## {name}: {task.steps} steps of {task.batch}, table lr {task.table_lr:g}, dense lr "
           f"{task.dense_lr:g}, {len(seeds)} seed(s)\n")
-    print("| form | held-out AUC mean | min..max | final train loss | vs | dAUC | tolerance | verdict |")
-    print("|---|---:|---:|---:|---|---:|---:|---|")
+    metric = metric_name(task)
+    print(f"| form | held-out {metric} mean | min..max | final train loss | vs | difference | tolerance "
+          "| in ref spreads | verdict |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---|")
     for form, s in results.items():
-        vs, delta, tol = (s["reference"], f"{s['delta_auc']:+.4f}", f"{s['tolerance']:.4f}") if "reference" in s \
-            else ("", "", "")
-        print(f"| {form} | {s['auc_mean']:.4f} | {s['auc_min']:.4f}..{s['auc_max']:.4f} "
-              f"| {s['final_loss_mean']:.4f} | {vs} | {delta} | {tol} | {verdict(form, s)} |")
+        vs, delta, tol, spreads = (s["reference"], f"{s['delta']:+.4f}", f"{s['tolerance']:.4f}",
+                                   f"{s['delta'] / s['tolerance']:+.1f}") if "reference" in s else ("", "", "", "")
+        print(f"| {form} | {s['metric_mean']:.4f} | {s['metric_min']:.4f}..{s['metric_max']:.4f} "
+              f"| {s['final_loss_mean']:.4f} | {vs} | {delta} | {tol} | {spreads} | {verdict(form, s)} |")
+    diagnosed = {form: [r["diagnostics"] for r in s["runs"] if "diagnostics" in r] for form, s in results.items()}
+    if any(diagnosed.values()):
+        print(f"\n{name}, mean over the seeds: coordinates each row uses (participation ratio of its squared"
+              f" weights, of {task.dim}); per-element exp_avg_sq against its row's mean (where kept per element)\n")
+        for form, runs in diagnosed.items():
+            if runs:
+                mean = {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
+                print(f"  {form}: " + "; ".join(
+                    f"{k} " + (" ".join(f"{x:.3g}" for x in v) if np.ndim(v) else f"{v:.3g}") for k, v in mean.items()))
 
 
 def mean_curve(runs):
@@ -353,7 +544,7 @@ def plot(report):
                     axis.set_ylim(low - pad, high + pad)
             top.set_title(name)
             bottom.set_xlabel("step")
-        axes[0][0].set_ylabel(f"training BCE (mean of {report['config']['log_every']} steps and the seeds)")
+        axes[0][0].set_ylabel(f"training loss (mean of {report['config']['log_every']} steps and the seeds)")
         axes[1][0].set_ylabel("minus fp32's")
         axes[0][0].legend(fontsize=7)
         return fig
@@ -368,7 +559,10 @@ def parse_args(argv=None):
     p.add_argument("--forms", default=None, help="comma-separated subset of " + ",".join(list(FORMS) + list(
         DENSE_FORMS)) + " (default: all; the dense two where bitsandbytes imports)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, the same for every form")
-    p.add_argument("--steps", type=int, default=None, help="training steps of every model (default: each its own, 400)")
+    p.add_argument("--steps", type=int, default=None, help="training steps of every model (default: each its own, "
+                   "400; the graphs' epochs, 100 (Kinships 40), in batches of 256)")
+    p.add_argument("--kg-diagnostics", action="store_true", help="the graphs: print how many coordinates each "
+                   "entity and relation row uses, and the spread of exp_avg_sq within rows")
     p.add_argument("--log-every", type=int, default=10, help="steps a logged loss averages")
     p.add_argument("--quick", action="store_true", help="smoke test: 1 seed, 60 steps")
     p.add_argument("--threads", type=int, default=usable_cpus(), help="torch and hostembed threads")
@@ -395,8 +589,8 @@ def parse_args(argv=None):
 
 
 def task_config(task):
-    return {k: getattr(task, k) for k in dir(task)
-            if not k.startswith("_") and isinstance(getattr(task, k), (int, float, str, tuple))}
+    return {"metric": metric_name(task), **{k: getattr(task, k) for k in dir(task) if not k.startswith("_") and
+                                            isinstance(getattr(task, k), (int, float, str, tuple))}}
 
 
 def run_model(task, args):
@@ -407,8 +601,8 @@ def run_model(task, args):
     for seed in range(args.seeds):
         data, initial = seeded_data(pool, seed, steps, task.batch), initial_state(task, seed)
         for form in args.forms:
-            r = train(task, form, seed, data, initial, steps, args.log_every)
-            log(f"{task.name} seed {seed} {form}: AUC {r['auc']:.4f}, loss {r['final_loss']:.4f}"
+            r = train(task, form, seed, data, initial, steps, args.log_every, args.kg_diagnostics)
+            log(f"{task.name} seed {seed} {form}: {metric_name(task)} {r['metric']:.4f}, loss {r['final_loss']:.4f}"
                 f"{' DIVERGED' if r['diverged'] else ''} ({r['train_s']:.1f} s)")
             runs[form].append(r)
     results = {}
@@ -425,6 +619,9 @@ def main(argv=None):
     hostembed.set_num_threads(args.threads)
     if "bnb_adam8bit" not in args.forms:
         log(f"bnb_adam8bit not run (bitsandbytes: {args.bitsandbytes})")
+    for name in [m for m in args.models if getattr(TASKS[m], "unavailable", None)]:
+        log(f"{name} skipped: {TASKS[name].unavailable}")
+        args.models.remove(name)
     models = {name: run_model(TASKS[name], args) for name in args.models}
     report = {"benchmark": "state_quality", "date": datetime.datetime.now().astimezone().isoformat(),
               "machine": machine_info(threads=args.threads, bitsandbytes=args.bitsandbytes),
@@ -434,7 +631,7 @@ def main(argv=None):
     for name in args.models:
         print_table(name, TASKS[name], models[name], range(args.seeds))
     paths, note = write_plots(os.path.dirname(os.path.abspath(args.out_png)),
-                              {os.path.basename(args.out_png): plot(report)})
+                              {os.path.basename(args.out_png): plot(report)}) if models else ([], "no model ran")
     report["wall_s"] = time.perf_counter() - t0
     write_json(args.out_json, report)
     print(f"\nWall time {report['wall_s']:.0f} s. JSON: {args.out_json}. " + (f"Plot: {paths[0]}" if paths else note))
