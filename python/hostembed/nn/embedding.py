@@ -84,7 +84,14 @@ class Embedding(HostTableModule, nn.Embedding):
             state): rows found there are read and updated there, misses are
             brought in or, when the policy turns them away, read and updated
             in host memory, and rows leaving it are written back. Training
-            gives the same bits as without it. Reading ``weight``,
+            gives the same bits as without it, but where a row takes
+            gradient from several entries of one step in two ways (a table
+            looked up more than once before a step, with a row repeated
+            within one of the lookups; torch's own optimizers stepping the sparse
+            gradient themselves): there the cached lookup sums each
+            lookup's entries of a row first, the uncached gradient sums all
+            of the step's entries in the order autograd gathered them, and the two differ by float32
+            rounding of that sum. Reading ``weight``,
             ``state_dict()``, ``hostembed.save`` and the optimizers'
             ``state_dict()`` write the cache back first; references to the
             weight or to optimizer state kept from earlier see host memory
