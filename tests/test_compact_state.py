@@ -4,6 +4,7 @@ reference, the core's first step against torch's float32 step stored in
 the form, many steps against float32 state within a stated bound, fused ==
 unfused, checkpoints in every direction, and bad state refused."""
 import os
+import warnings
 
 import pytest
 import torch
@@ -415,3 +416,22 @@ class _quiet:
         return False
 
 
+
+
+@pytest.mark.parametrize("make", [lambda p: hostembed.SparseAdam(p, state_dtype=torch.int8),
+                                  lambda p: hostembed.Adagrad(p, state_dtype=torch.int8)])
+def test_8bit_state_on_rows_too_narrow_to_gain_says_so(make):
+    """A width-1 table: a code and a float32 scale (5 bytes) against 4 as
+    float32. Said once per table, and the form stays the one asked for."""
+    narrow, wide = hostembed.Embedding(100, 1), hostembed.Embedding(100, 2)
+    with pytest.warns(UserWarning, match=r"8-bit state of a \[100, 1\] table takes 5 bytes .* against 4"):
+        opt = make(narrow.parameters())
+        narrow(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+    assert any(t.dtype in (torch.int8, torch.uint8) for t in opt.state[narrow.weight].values()
+               if isinstance(t, torch.Tensor))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = make(wide.parameters())
+        wide(torch.tensor([1, 2])).sum().backward()
+        opt.step()

@@ -41,6 +41,21 @@ def blocks(dim):
     return (dim + Q8_BLOCK - 1) // Q8_BLOCK
 
 
+def _warn_if_wider_than_float(table):
+    """8-bit codes carry a float32 scale per row and 256 columns: on rows
+    this narrow (a width-1 table, as DeepFM's first-order weights) they take
+    more bytes than the float state they replace. Said, not silently
+    changed: the form stays the one asked for."""
+    eight_bit = table.dim + 4 * blocks(table.dim)
+    plain = table.dim * table.state_dtype.itemsize
+    if eight_bit >= plain:
+        warnings.warn(f"hostembed: 8-bit state of a [{table.num_rows}, {table.dim}] table takes {eight_bit} bytes a "
+                      f"row and state tensor (codes and a float32 scale) against {plain} as "
+                      f"{str(table.state_dtype).replace('torch.', '')}: "
+                      "for tables this narrow use state_dtype=torch.bfloat16 (or float32) in an optimizer of their "
+                      "own", UserWarning, stacklevel=4)
+
+
 class StateForm:
     """How one optimizer keeps the state of its host tables: ``dtype`` (one
     of STATE_DTYPES; torch.int8 means 8-bit codes, int8 or uint8 by the
@@ -81,6 +96,8 @@ class StateForm:
     def new(self, table, key, nonnegative):
         """{key: zeroed state of `table`, [scale_key(key): its scales]}."""
         dtype = self.stored_dtype(table, nonnegative)
+        if dtype in CODE_DTYPES:
+            _warn_if_wider_than_float(table)
         state = {key: table.zeros(dtype=dtype)}
         if dtype in CODE_DTYPES:
             state[scale_key(key)] = table.zeros(dtype=torch.float32, width=blocks(table.dim))
