@@ -121,7 +121,11 @@ class SparseAdam(torch.optim.SparseAdam):
         rowwise_exp_avg_sq (bool, optional): keyword-only: True keeps one
             second moment a row, the mean of the row's squared gradient
             (FBGEMM's partial row-wise Adam): D + 1 values of state a row
-            instead of 2D. A non-bool raises TypeError. Default: ``False``
+            instead of 2D. Another algorithm than Adam (one step size a
+            row): it held on synthetic CTR models but lost on real
+            knowledge graphs whose entity rows are renormalised every step
+            (docs/results.md, Compact optimizer state). A non-bool raises
+            TypeError. Default: ``False``
         state_rounding (str, optional): keyword-only: how updated compact
             moments are stored: rounded to ``"nearest"`` or
             ``"stochastic"`` (unbiased); any other raises ValueError.
