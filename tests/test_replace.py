@@ -153,3 +153,56 @@ def test_replaced_model_trains_with_torchs_adam_like_the_plain_swap_without_a_de
 def test_min_rows_must_be_a_non_negative_int(bad):
     with pytest.raises(ValueError, match="min_rows must be an int >= 0"):
         hostembed.replace_embeddings(nn.Sequential(nn.Embedding(3, 2)), min_rows=bad)
+
+
+def _tied_lm(seed=0):
+    torch.manual_seed(seed)
+    model = nn.ModuleDict({"emb": nn.Embedding(300, 16), "head": nn.Linear(16, 300, bias=False)})
+    model["head"].weight = model["emb"].weight  # GPT-2's tie
+    return model
+
+
+def test_a_tied_output_projection_keeps_the_tie_and_trains_as_torchs():
+    reference, model = _tied_lm(), _tied_lm()
+    hostembed.replace_embeddings(model)
+    assert model["head"].weight is model["emb"].weight and model["head"].weight.shape == (300, 16)
+    assert [id(p) for p in model.parameters()] == [id(model["emb"].weight)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (reference, model)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        ids = torch.randint(0, 300, (8, 5), generator=g)
+        for m, opt in zip((reference, model), opts):
+            opt.zero_grad()
+            logits = m["head"](m["emb"](ids))
+            nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+            opt.step()
+    torch.testing.assert_close(model["emb"].weight, reference["emb"].weight, rtol=1e-5, atol=1e-6)
+
+
+def test_modules_tied_to_one_weight_become_one_host_table():
+    torch.manual_seed(0)
+    shared = nn.Embedding(100, 4)
+    other = nn.Embedding(100, 4)
+    other.weight = shared.weight  # T5's encoder and decoder token tables
+    model = nn.ModuleDict({"enc": shared, "dec": other})
+    expected = shared.weight.detach().clone()
+    hostembed.replace_embeddings(model)
+    assert model["enc"] is model["dec"] and torch.equal(model["enc"].weight, expected)
+    clash = nn.Embedding(100, 4, padding_idx=0)
+    clash.weight = nn.Embedding(100, 4).weight
+    with pytest.raises(ValueError, match="share one weight with other options"):
+        hostembed.replace_embeddings(nn.ModuleDict({"a": nn.Embedding(100, 4), "b": clash,
+                                                    "c": _with_weight(clash.weight)}))
+
+
+def _with_weight(weight):
+    emb = nn.Embedding(*weight.shape)
+    emb.weight = weight
+    return emb
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: a tie on the GPU is refused")
+def test_a_tie_on_the_gpu_is_refused_with_what_to_do():
+    model = _tied_lm().cuda()
+    with pytest.raises(ValueError, match="is tied to head.weight.*Untie them first"):
+        hostembed.replace_embeddings(model)

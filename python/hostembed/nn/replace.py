@@ -54,18 +54,34 @@ def replace_embeddings(model, min_rows=0, *, sparse=True, progress=None):
     """
     if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 0:
         raise ValueError(f"replace_embeddings: min_rows must be an int >= 0, got {min_rows!r}")
+    # Keyed by the weight: a module used in several places, and modules
+    # tied to one weight (T5's shared token table), become one host table.
     replaced = {}
 
     def convert(module):
-        if id(module) not in replaced:
-            replaced[id(module)] = _to_host(module, sparse, progress)
-        return replaced[id(module)]
+        key = id(module.weight)
+        if key not in replaced:
+            replaced[key] = (module, _to_host(module, sparse, progress))
+        first, new = replaced[key]
+        if module is not first and _options(module) != _options(first):
+            raise ValueError(f"replace_embeddings: two {type(module).__name__} modules share one weight with other "
+                             f"options ({_options(first)} and {_options(module)}); one host table cannot serve both")
+        return new
 
     def wants(module):
         return type(module) in (nn.Embedding, nn.EmbeddingBag) and module.num_embeddings >= min_rows
 
     if wants(model):
         return convert(model)
+    weights = {id(module.weight): module.weight for module in model.modules() if wants(module)}
+    tied = _tied_elsewhere(model, weights, wants)
+    for key, places in tied.items():
+        if weights[key].device.type not in ("cpu", "meta"):
+            raise ValueError(
+                f"replace_embeddings: the {tuple(weights[key].shape)} table on {weights[key].device} is tied to "
+                f"{', '.join(places)}; a host table's weight is in host memory, where those modules cannot use it "
+                "on the GPU. Untie them first (e.g. tie_word_embeddings=False in a transformers config), or replace "
+                "the tables of the model while it is on the CPU")
     skipped = set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -73,6 +89,12 @@ def replace_embeddings(model, min_rows=0, *, sparse=True, progress=None):
                 setattr(parent, name, convert(child))
             elif _skipped_table(child, min_rows):
                 skipped.add(type(child))
+    # The tie kept: the modules that shared an old weight (a language
+    # model's output projection) now share the host table's.
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in replaced and not isinstance(module, HostTableModule):
+                module._parameters[name] = replaced[id(param)][1].weight
     for kind in sorted(skipped, key=lambda t: t.__qualname__):
         warnings.warn(
             f"replace_embeddings: {kind.__module__}.{kind.__qualname__} modules are not replaced (only "
@@ -81,6 +103,25 @@ def replace_embeddings(model, min_rows=0, *, sparse=True, progress=None):
             stacklevel=2,
         )
     return model
+
+
+def _options(module):
+    keys = ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
+            "mode", "include_last_offset")
+    return {k: getattr(module, k, None) for k in keys}
+
+
+def _tied_elsewhere(model, weights, wants):
+    """{id of a table's weight: where else the model holds it ('lm_head.weight')}
+    for the weights of the tables to replace."""
+    places = {}
+    for path, module in model.named_modules():
+        if wants(module):
+            continue
+        for name, param in module._parameters.items():
+            if param is not None and id(param) in weights:
+                places.setdefault(id(param), []).append(f"{path}.{name}" if path else name)
+    return places
 
 
 def _skipped_table(module, min_rows):
