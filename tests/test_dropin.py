@@ -319,6 +319,36 @@ def test_clip_grad_norm_of_sparse_and_dense_gradients_matches_dense_torch():
         torch.testing.assert_close(got.double(), before.double() * scale, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("foreach", [None, False])
+def test_torchs_own_clipping_takes_a_sparse_gradient_as_the_dense_one(norm_type, foreach):
+    """torch.nn.utils.clip_grad_norm_, get_total_norm and clip_grad_value_
+    (as Hugging Face's Trainer calls them) on a plain swap's row-sparse
+    gradient, uncoalesced (a row looked up twice, two backward passes):
+    the dense gradient's norm and clipped values."""
+    torch.manual_seed(0)
+    emb, lin = hostembed.Embedding(20, 3), nn.Linear(3, 2)
+    lin(emb(torch.tensor([1, 1, 5, 7]))).sum().backward()
+    lin(emb(torch.tensor([5, 9, 9]))).pow(2).sum().backward()
+    assert emb.weight.grad.is_sparse and not emb.weight.grad.is_coalesced()
+    params = [emb.weight, *lin.parameters()]
+    dense = [p.grad.to_dense().double() for p in params]
+    expected = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in dense]), norm_type)
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, foreach=foreach)
+    torch.testing.assert_close(total.double(), expected, rtol=1e-6, atol=0)
+    total = torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type, foreach=foreach)
+    torch.testing.assert_close(total.double(), expected, rtol=1e-6, atol=0)
+    scale = min(1.0, 0.5 / (float(expected) + 1e-6))
+    for p, before in zip(params, dense):
+        torch.testing.assert_close(p.grad.to_dense().double(), before * scale, rtol=1e-6, atol=1e-7)
+    clipped = [p.grad.to_dense().double() for p in params]
+    torch.nn.utils.clip_grad_value_(params, 0.02, foreach=foreach)
+    for p, before in zip(params, clipped):
+        torch.testing.assert_close(p.grad.to_dense().double(), before.clamp(-0.02, 0.02), rtol=1e-6, atol=1e-7)
+    with pytest.raises(NotImplementedError, match="bounds that exclude 0"):
+        emb.weight.grad.clamp_min_(0.5)
+
+
 def test_output_can_be_changed_in_place_like_torch():
     ref, ours = pair(30, 4)
     ids = torch.tensor([[1, 2], [2, 29]])

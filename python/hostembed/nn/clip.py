@@ -1,15 +1,20 @@
 """Gradient clipping that works with row-sparse embedding gradients.
 
-torch.nn.utils.clip_grad_norm_ fails on sparse gradients (linalg_vector_norm
+torch.nn.utils.clip_grad_norm_ failed on sparse gradients (linalg_vector_norm
 has no sparse kernel), for torch's own sparse embeddings as well as
-hostembed's. The norm of a coalesced sparse gradient is the norm of its
-values (the rows not present are zero), so clipping needs only its values.
+hostembed's: importing hostembed registers the kernels torch lacks
+(_core/ops/sparse_aten.py), so torch's own clip_grad_norm_, get_total_norm
+and clip_grad_value_ take them. This module's clip_grad_norm_ is the same
+arithmetic, and also says when a fused table has no gradient to clip. The
+norm of a coalesced sparse gradient is the norm of its values (the rows not
+present are zero), so clipping needs only its values.
 """
 import math
 
 import torch
 
 from .._core import fused as _fused
+from .._core.ops import sparse_aten  # noqa: F401  (registers the sparse kernels torch's utilities need)
 from .._core.table import table_of
 
 

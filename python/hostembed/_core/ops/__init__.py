@@ -14,6 +14,8 @@ namespace ``hostembed``) and the cache planner, by engine:
                  row, what a batch moves
   gpu_cache.py   the same planner on the GPU (its state in GPU memory), and
                  the cache's moves, gather and SparseAdam there
+  sparse_aten.py kernels torch lacks for sparse gradients (norms, clamps),
+                 registered into aten so torch's clipping utilities take them
 
 Adding an op: the core function in csrc/ (or a launcher in cuda/), its
 keyword-only binding in binding/, then a function here, in the file of its
