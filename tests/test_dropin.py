@@ -225,8 +225,9 @@ def test_assigning_a_new_parameter_keeps_training_in_the_core():
 
 
 # torch itself refuses integer data for a weight that requires grad: frozen here.
-@pytest.mark.parametrize("bad, frozen", [(torch.randn(5, 4), False), (torch.zeros(6, 4, dtype=torch.long), True)],
-                         ids=["shape", "integer"])
+# Another number of rows is a resize (test_resize_token_embeddings_pattern...).
+@pytest.mark.parametrize("bad, frozen", [(torch.randn(6, 5), False), (torch.zeros(6, 4, dtype=torch.long), True)],
+                         ids=["width", "integer"])
 def test_assigning_what_cannot_be_the_table_is_refused(bad, frozen):
     emb = hostembed.Embedding(6, 4, _freeze=frozen)
     before = emb._table.tensor.clone()
@@ -393,3 +394,51 @@ def test_whole_model_torch_save_and_load_gets_a_table(tmp_path):
     emb(torch.tensor([2, 9])).sum().backward()
     opt.step()
     assert not torch.equal(emb.weight, model[0].weight)
+
+
+def _resize_as_transformers(old, new_rows, make):
+    """transformers' _get_resized_embeddings: a new module (of the class
+    nn.Embedding names, hostembed's after a plain swap), its first rows
+    copied, then old.weight.data = new.weight.data."""
+    new = make(new_rows, old.embedding_dim)
+    n = min(old.num_embeddings, new_rows)
+    new.weight.data[:n, :] = old.weight.data[:n, :]
+    old.weight.data = new.weight.data
+    old.num_embeddings = new.weight.data.shape[0]
+    return old
+
+
+@pytest.mark.parametrize("new_rows", [70, 30])
+@pytest.mark.parametrize("swapped", [True, False])
+def test_resize_token_embeddings_pattern_grows_or_shrinks_the_table_and_keeps_the_tie(new_rows, swapped):
+    def build(cls):
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"emb": cls(50, 6), "head": nn.Linear(6, 50, bias=False)})
+        model["head"].weight = model["emb"].weight
+        return model
+
+    reference, model = build(nn.Embedding), build(hostembed.Embedding)
+    for m, make in ((reference, nn.Embedding), (model, hostembed.Embedding if swapped else nn.Embedding)):
+        torch.manual_seed(1)
+        _resize_as_transformers(m["emb"], new_rows, make)
+        m["head"].weight = m["emb"].weight  # transformers' tie_weights after a resize
+    ids = torch.tensor([[0, new_rows - 1, 3], [5, 5, 1]])
+    assert torch.equal(model["head"](model["emb"](ids)), reference["head"](reference["emb"](ids)))
+    assert model["emb"].weight.shape == (new_rows, 6) and model["emb"]._table.num_rows == new_rows
+    assert model["head"].weight is model["emb"].weight
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (reference, model)]
+    for _ in range(3):
+        for m, opt in zip((reference, model), opts):
+            opt.zero_grad()
+            m["head"](m["emb"](ids)).logsumexp(-1).sum().backward()
+            opt.step()
+    torch.testing.assert_close(model["emb"].weight, reference["emb"].weight, rtol=1e-5, atol=1e-6)
+    with pytest.raises(IndexError, match=f"not in \\[0, {new_rows}\\)"):
+        model["emb"](torch.tensor([new_rows]))
+
+
+def test_a_table_on_disk_refuses_a_resize_saying_what_to_do(tmp_path):
+    emb = hostembed.Embedding(50, 128, storage=tmp_path / "t", cache_rows=8)
+    _resize_as_transformers(emb, 60, nn.Embedding)
+    with pytest.raises(RuntimeError, match="table kept on disk .* keeps its rows"):
+        emb(torch.tensor([1]))

@@ -329,7 +329,7 @@ def test_replace_embeddings_converts_bags_with_their_options_and_rows():
     for name in ("mode", "include_last_offset", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq"):
         assert getattr(new, name) == getattr(old, name), name
     assert torch.equal(new.weight, rows)
-    assert new.sparse is False  # the module's own flag, as for Embedding
+    assert new.sparse is True  # row-sparse by default, as after the plain swap (sparse=None keeps the flag)
 
 
 @pytest.mark.parametrize("form", ["offsets", "include_last_offset", "2d"])

@@ -339,6 +339,10 @@ class HostTableModule:
         then no longer aliases t (torch's would)."""
         table = self._table
         new = weight.data
+        if new.layout == torch.strided and new.is_floating_point() and new.dim() == 2 \
+                and new.shape[1] == table.dim and new.shape[0] != table.num_rows:
+            self._resize_to(weight, new)
+            return
         if new.layout != torch.strided or not new.is_floating_point() or new.dim() != 2 \
                 or tuple(new.shape) != (table.num_rows, table.dim):
             raise RuntimeError(
@@ -352,6 +356,32 @@ class HostTableModule:
         copy_rows(table.tensor, new.detach())
         weight.data = table.tensor
         table.bind(weight)
+
+    def _resize_to(self, weight, new) -> None:
+        """`weight.data = t` with t of another number of rows, as Hugging
+        Face's resize_token_embeddings does: a new host table of t's rows
+        (copied in chunks), under the same Parameter, so ties to it and
+        optimizers built afterwards hold. An optimizer's state of the old
+        size is torch's problem as for any parameter resized this way (its
+        next step refuses the shapes)."""
+        old = self._table
+        where = f"{self._get_name()}: the weight was replaced by a {list(new.shape)} tensor (a resize)"
+        if old.files is not None:
+            raise RuntimeError(f"{where}; a table kept on disk ({old.files.path}) keeps its rows: make a new table "
+                               "of the new size from a checkpoint (hostembed.load) in another directory")
+        if old.fused_optimizer is not None and old.fused_optimizer() is not None:
+            raise RuntimeError(f"{where}; it is updated in backward by a fused optimizer of the old size: resize "
+                               "before building the optimizer")
+        check_table_dtype(new.dtype, self._get_name())
+        table = HostTable(new.shape[0], old.dim, dtype=new.dtype, first_touch=True)
+        table.stochastic_rounding, table.seed = old.stochastic_rounding, old.seed
+        copy_rows(table.tensor, new.detach())
+        old.wait_for_gpu_use()
+        self.__dict__["_table"] = table
+        weight.data = table.tensor
+        table.bind(weight)
+        self.num_embeddings = table.num_rows
+        self._make_cache()
 
     def __getattr__(self, name):
         # In a forked child (a DataLoader worker) the table's memory is not
