@@ -394,7 +394,6 @@ class TableFiles:
         return os.fstat(self.weight.fd).st_nlink == 0
 
 
-
 # torch's functions that make a state tensor like a parameter, as torch's
 # optimizers call them: full_like(p, value, memory_format=...) for
 # Adagrad's sum at construction, zeros_like(p, ...) for a moment.
