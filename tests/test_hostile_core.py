@@ -64,14 +64,18 @@ def test_R2_num_embeddings_edited_refuses_before_renorm_writes():
     assert _unchanged(before, emb)
 
 
-def test_R2_smaller_weight_data_refuses_and_keeps_the_table():
+def test_R2_smaller_weight_data_is_a_smaller_table_whose_range_is_checked_before_renorm_writes():
+    # As with torch's module, the weight's new data is the table (a resize,
+    # as transformers' resize_token_embeddings makes): ids past its 6 rows
+    # are refused before max_norm's renorm writes anything.
     emb = hostembed.Embedding(8, 4, max_norm=1.0)
-    before = _snapshot(emb)
-    emb.weight.data = torch.randn(6, 4) * 10
-    with pytest.raises(RuntimeError, match=r"replaced by a \[6, 4\] torch.float32 tensor; a host table keeps its "
-                                           r"shape \[8, 4\]"):
+    rows = torch.randn(6, 4) * 10
+    emb.weight.data = rows.clone()
+    with pytest.raises(IndexError, match=r"not in \[0, 6\) for a table of 6 rows"):
         emb(torch.tensor([6, 7]))
-    assert _unchanged(before, emb)
+    assert emb._table.num_rows == 6 and torch.equal(emb.weight.detach(), rows)
+    emb(torch.tensor([5]))  # renorms row 5 alone, in the new table
+    assert torch.equal(emb.weight.detach()[:5], rows[:5]) and emb.weight.detach()[5].norm() <= 1.0 + 1e-6
 
 
 # ---- R4: max_norm with any finite norm_type
