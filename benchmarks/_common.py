@@ -327,9 +327,13 @@ PLOTS_SKIPPED = ("plots skipped: matplotlib is not installed "
 
 
 def write_json(path, report) -> None:
+    """Written whole or not at all (a run killed by its time limit mid-write
+    leaves the last complete file for a later --append)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as f:
         json.dump(report, f, indent=2)
+    os.replace(temporary, path)
 
 
 def _pyplot():

@@ -189,21 +189,25 @@ if (( BUILT )); then
     run import 60 "$PY" -c "import hostembed as h; print(h.__file__, 'cuda_compiled', h.cuda_compiled(), 'cuda_available', h.cuda_available()); assert h.cuda_available()"
     # The most telling stages first: a short lease may end before the rest.
     # The row cache on the anchors' protocols (benchmarks/_anchor_streams.py):
-    # dynamicemb's, beside its published figures, and fresh batches; the
-    # rows go to cache_protocols.json, which later stages add to.
-    run protocols 240 "$PY" benchmarks/cache_step.py --protocols dynamicemb,fresh --json "$OUT/cache_protocols.json"
+    # dynamicemb's, beside its published figures, then fresh batches, a
+    # process each (their tables, 28 and 86 GiB pinned with their state,
+    # never at once); the rows go to cache_protocols.json, which later stages
+    # add to. -u: a stage cut short by its limit keeps the tables it printed.
+    run protocols 180 "$PY" -u benchmarks/cache_step.py --protocols dynamicemb --json "$OUT/cache_protocols.json"
+    run protocols_fresh 150 "$PY" -u benchmarks/cache_step.py --protocols fresh --append \
+        --json "$OUT/cache_protocols.json"
     # The row cache in GPU memory: its tests, its planner against the CPU's
     # (recorded for CI's replay, tests/fixtures/gpu_cache_plans.pt), FBGEMM's
     # protocol (its row-wise Adagrad and Adam), replayed batches and compact
     # state, the seeds' model with and without a cache.
     run cache_gpu_tests 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_cache_gpu.py
     run plan_record 60 "$PY" benchmarks/cache_plan_record.py "$OUT/gpu_cache_plans.pt"
-    run protocols_fbgemm 150 "$PY" benchmarks/cache_step.py --protocols fbgemm --optimizers rowwise_adagrad,adam \
+    # FBGEMM's protocol with Adam (records in GPU memory) and its own
+    # row-wise Adagrad (which moves them to host memory: the table says so).
+    run protocols_fbgemm 150 "$PY" -u benchmarks/cache_step.py --protocols fbgemm --optimizers adam,rowwise_adagrad \
         --append --json "$OUT/cache_protocols.json"
-    run protocols_replayed 120 "$PY" benchmarks/cache_step.py --protocols replayed --append \
+    run protocols_replayed 120 "$PY" -u benchmarks/cache_step.py --protocols replayed --append \
         --json "$OUT/cache_protocols.json"
-    run protocols_compact 240 "$PY" benchmarks/cache_step.py --protocols dynamicemb,fresh --states bfloat16,int8 \
-        --no-baseline --append --json "$OUT/cache_protocols.json"
     run compare 200 "$PY" benchmarks/compare.py --cache-fraction "${CACHE_FRACTION:-1}" --out "$OUT/compare"
     run gpu_tests 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --durations 15
     SANITIZER=${SANITIZER:-$(command -v compute-sanitizer)}
@@ -221,6 +225,10 @@ if (( BUILT )); then
     run profile 150 "$PY" benchmarks/gpu_profile.py --prefetch --setups "fused,cache 1.0,cache 0.2"
     # shellcheck disable=SC2086  # GPU_ARGS is a list of words
     run benchmark 330 "$PY" benchmarks/gpu.py --rows "$ROWS" --json "$OUT/gpu.json" ${GPU_ARGS:-}
+    # Compact state (its records are in host memory until GPU kernels update
+    # it): one fresh-batch run of each form, for the record.
+    run protocols_compact 120 "$PY" -u benchmarks/cache_step.py --protocols fresh --fractions 1 \
+        --states bfloat16,int8 --no-baseline --append --json "$OUT/cache_protocols.json"
     # The GPU tests again without torch's caching allocator: every output
     # and workspace is then a fresh cudaMalloc, so a kernel that writes
     # nothing cannot pass on a buffer an earlier lookup left the right rows
@@ -254,7 +262,7 @@ done
 grep -H "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT/sanitizer.log" "$OUT/racecheck.log" 2>/dev/null
 [[ -f $OUT/benchmark.log ]] && sed -n '/^## hostembed GPU path/,$p' "$OUT/benchmark.log"
 [[ -f $OUT/plan_record.log ]] && cat "$OUT/plan_record.log"
-for name in protocols protocols_fbgemm protocols_replayed protocols_compact; do
+for name in protocols protocols_fresh protocols_fbgemm protocols_replayed protocols_compact; do
     [[ -f $OUT/$name.log ]] && sed -n '/^## /,$p' "$OUT/$name.log" | grep -v '^wrote '
 done
 [[ -f $OUT/compare.log ]] && grep -E '^\| [0-9]\.' "$OUT/compare.log"
