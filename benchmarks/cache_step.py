@@ -19,6 +19,10 @@ benchmarks/_anchor_streams.py):
               rows the run touches.
   replayed    the same stream, 10 batches cycled.
 
+Before timing each protocol and state, a small draw of its stream checks
+on the same device that a table with a row cache trains to the uncached
+table's bits (--no-check skips it); a difference ends the run.
+
 A step: forward (ids on the device), backward, step(), with the update
 fused in backward unless --unfused; with a cache and one row an id, the
 next batch is planned (dedup, misses, evictions) during this step
@@ -48,7 +52,7 @@ import numpy as np
 import torch
 
 import _anchor_streams as streams
-from _common import RESULTS_DIR, log, machine_info, require_hostembed, write_json
+from _common import RESULTS_DIR, fail, log, machine_info, require_hostembed, write_json
 
 hostembed = require_hostembed()
 from hostembed.nn.host_module import UNINITIALISED  # noqa: E402  (after the build check above)
@@ -92,6 +96,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--append", action="store_true", help="add to the rows --json holds already")
+    p.add_argument("--no-check", action="store_true", help="skip the check that a cached table trains to the "
+                   "uncached bits")
     args = p.parse_args(argv)
     args.protocols = [x for x in args.protocols.split(",") if x]
     args.states = [x for x in args.states.split(",") if x]
@@ -165,6 +171,30 @@ def build(w, optimizer, state, args, device):
     else:
         opt = hostembed.RowWiseAdagrad(module.parameters(), lr=w.lr, eps=1e-8, fused=fused)
     return module, opt
+
+
+def check_bits(protocol, optimizer, state, args, device):
+    """A fast wrong answer is not a result: on a small draw of the
+    protocol's stream, on this device, a table with a row cache of half its
+    rows must train to the bits of the same table without one (several
+    steps, plan-ahead as timed), before anything is timed."""
+    small = argparse.Namespace(**{**vars(args), "scale": min(args.scale, 0.001), "batches": 4, "iters": 2,
+                                  "warmup": 2, "steps": 2})
+    w = workload(protocol, small, device)
+    out_rows = len(w.batches[0]) // w.bag_size if w.bag_size else len(w.batches[0])
+    grad_out = torch.randn(out_rows, w.dim, generator=torch.Generator().manual_seed(args.seed)).to(device)
+    weights = []
+    for cache_rows in (None, max(1, w.rows // 2)):
+        module, opt = build(w, optimizer, state, args, device)
+        module.cache_rows = cache_rows
+        run(module, opt, w, grad_out, not args.no_plan_ahead, device)
+        weights.append(module.weight.detach().clone())  # reading it writes the cache back
+        del module, opt
+        gc.collect()
+    if not torch.equal(*weights):
+        fail(f"{protocol}, {optimizer} {state}: the cached table's weights differ from the uncached table's "
+             f"(max |difference| {float((weights[0] - weights[1]).abs().max()):.3g})")
+    log(f"{protocol}, {optimizer} {state}: a cache of half the rows trains to the uncached bits (checked)")
 
 
 class Clock:
@@ -317,6 +347,8 @@ def main(argv=None):
         these = []
         for optimizer in args.optimizers or [w.optimizer]:
             for state in (args.states if optimizer == "adam" else ["float32"]):
+                if not args.no_check:
+                    check_bits(protocol, optimizer, state, args, device)
                 these += measure(w, optimizer, state, args, device, today)
                 write_json(path, rows + these)  # kept as it grows: a run cut short keeps what it measured
         rows += these

@@ -85,3 +85,24 @@ def test_the_harness_writes_a_row_per_protocol_cache_and_state(tmp_path, monkeyp
     assert fresh["first_touch_per_step"] > 0 and 0 < fresh["hit_rate"] < 1
     assert fresh8["record_bytes"] < fresh["record_bytes"] == 3 * 128 * 4
     assert set(fresh["phases_ms"]) == {"forward", "backward", "step"}
+
+
+def test_the_harness_refuses_to_time_a_cache_whose_bits_differ(tmp_path, monkeypatch):
+    """Before timing, a cached table must train to the uncached bits on a
+    small draw of the stream; a cache that changed one value is refused."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import cache_step
+    real_run = cache_step.run
+
+    def off_by_one_ulp(module, *args):
+        out = real_run(module, *args)
+        if module.cache_rows:
+            with torch.no_grad():
+                module.weight[0, 0] = torch.nextafter(module.weight[0, 0], torch.tensor(1.0))
+        return out
+
+    monkeypatch.setattr(cache_step, "run", off_by_one_ulp)
+    with pytest.raises(SystemExit, match="CORRECTNESS CHECK FAILED: fresh, adam float32: the cached table"):
+        cache_step.main(["--device", "cpu", "--scale", "0.0005", "--warmup", "2", "--steps", "2",
+                         "--protocols", "fresh", "--json", str(tmp_path / "r.json")])
+    assert not (tmp_path / "r.json").exists(), "nothing timed"
