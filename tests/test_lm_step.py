@@ -1,0 +1,19 @@
+"""benchmarks/lm_step.py at a tiny size: the plain swap trains a small
+language model to torch's losses (the script checks before timing), and the
+untied table's gradient is row-sparse where torch's is table-sized."""
+import json
+import pathlib
+
+
+def test_lm_step_benchmark_reports_both_ties(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    import lm_step
+    out = tmp_path / "lm.json"
+    lm_step.main(["--vocabs", "3000", "--hidden", "16", "--tokens", "256", "--warmup", "1", "--rounds", "2",
+                  "--json", str(out)])
+    rows = {r["tied"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {True, False} and all(r["ms_per_step"]["hostembed"] > 0 for r in rows.values())
+    untied, tied = rows[False]["table_bytes"], rows[True]["table_bytes"]
+    assert untied["torch"]["grad"] == 3000 * 16 * 4 > 10 * untied["hostembed"]["grad"] > 0
+    assert tied["hostembed"]["grad"] == tied["torch"]["grad"] == 3000 * 16 * 4  # the projection's gradient is dense
+    assert untied["hostembed"]["state"] == untied["torch"]["state"] >= 2 * 3000 * 16 * 4
