@@ -147,6 +147,40 @@ def test_hot_ids_through_a_small_gpu_cache_give_the_uncached_gpu_bits(fused):
     _assert_same(pairs)
 
 
+@pytest.mark.parametrize("form", ["Adagrad", "bfloat16", "int8"])
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_records_moved_to_host_memory_keep_the_uncached_gpu_bits(form, fused):
+    """An optimizer without a GPU update (Adagrad; SparseAdam with compact
+    state) moves the records to host memory; with hot ids, the gradient of
+    GPU outputs must still be summed as the uncached GPU path sums it (in
+    chunks), or the cached table drifts from the uncached one by an ulp."""
+    torch.manual_seed(0)
+    plain = hostembed.Embedding(700, 16, device="cuda")
+    cached = hostembed.Embedding(700, 16, cache_rows=40, device="cuda")
+    with torch.no_grad():
+        cached.weight.copy_(plain.weight)
+    if form == "Adagrad":
+        make = lambda m: hostembed.Adagrad(m.parameters(), lr=0.1, fused=fused)  # noqa: E731
+    else:
+        make = lambda m: hostembed.SparseAdam(m.parameters(), lr=0.01, fused=fused,  # noqa: E731
+                                              state_dtype=getattr(torch, form))
+    pairs = [(m, make(m)) for m in (plain, cached)]
+    gen = torch.Generator().manual_seed(0)
+    hottest = 0
+    with pytest.warns(UserWarning, match="no GPU update"):
+        for _ in range(4):
+            ids, grad = zipf_ids(700, 300, alpha=1.1, generator=gen), torch.randn(300, 16, generator=gen)
+            hottest = max(hottest, int(torch.bincount(ids).max()))
+            for module, opt in pairs:
+                module(ids.cuda()).backward(grad.cuda())
+                opt.step()
+                opt.zero_grad()
+    assert hottest > 32, "no id was hot enough for the chunked sums"
+    assert cached._table.cache.device.type == "cpu"
+    assert plain._table.cache is None
+    _assert_same(pairs)
+
+
 def test_checkpoints_and_weight_reads_see_the_gpu_records(tmp_path):
     pairs = _gpu_pair()
     _train(pairs, _batches(20))

@@ -207,26 +207,45 @@ def _gpu_lookup_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def table_gradient(table, table_handle, grad_out, saved, scale_grad_by_freq, sparse, shape, reduce):
+    """weight's gradient from a GPU lookup's output gradient, summed per
+    unique id on the GPU (saved: gpu_dedup's unique, offsets, order,
+    inverse and [num_unique, padding_slot]); None when a fused table's
+    optimizer took the sums (table: eager only, else None)."""
+    unique, offsets, order, inverse, info = saved
+    if table is not None and table.fused and _fused.optimizer_of(table) is not None:
+        # Summed here, on this node's stream, where grad_out is ready.
+        indices, values = gpu_reduce(table, grad_out, unique, offsets, order, inverse, info, scale_grad_by_freq)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(values.device))
+        if _fused.take_gradient(table, _fused.GpuGradient(indices, values, ready)):
+            return None  # applied when the backward pass ends; no weight.grad
+    indices, values = reduce(table_handle, grad_out, unique, offsets, order, inverse, info, scale_grad_by_freq)
+    return weight_grad(indices, values, *shape, sparse)
+
+
+def gradient_of_ids(table, grad_out, ids, padding_idx, scale_grad_by_freq, sparse):
+    """table_gradient for output gradient grad_out of a lookup of ids that
+    kept no GPU dedup (a row cache of host records): the ids deduplicated
+    on grad_out's GPU, then summed as the uncached GPU path sums them."""
+    device = grad_out.device
+    with torch.cuda.device(device):
+        _, unique, offsets, order, inverse, (num_unique, padding_slot) = gpu_dedup(table, ids, device, padding_idx)
+        info = torch.tensor([num_unique, padding_slot], dtype=torch.int64)
+        return table_gradient(table, table.handle, grad_out, (unique, offsets, order, inverse, info),
+                              scale_grad_by_freq, sparse, (table.num_rows, table.dim), gpu_grad_reduce)
+
+
 def _gpu_lookup_backward(reduce, eager):
     def backward(ctx, grad_out, *unused):
-        unique, offsets, order, inverse, info = ctx.saved_tensors
-        scale_grad_by_freq, sparse = ctx.spec
-        num_rows, dim = ctx.table_shape
         grad = None
         if ctx.needs_input_grad[0]:
             # Fused tables are looked up eagerly (fused_embedding_gpu_lookup).
             table = table_by_handle(ctx.table_handle, "a GPU backward") if eager else None
-            if table is not None and table.fused and _fused.optimizer_of(table) is not None:
-                # Summed here, on this node's stream, where grad_out is ready.
-                indices, values = gpu_reduce(table, grad_out, unique, offsets, order, inverse, info,
-                                             scale_grad_by_freq)
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(values.device))
-                if _fused.take_gradient(table, _fused.GpuGradient(indices, values, ready)):
-                    return (None,) * 9  # applied when the backward pass ends; no weight.grad
-            indices, values = reduce(ctx.table_handle, grad_out, unique, offsets, order, inverse, info,
-                                     scale_grad_by_freq)
-            grad = weight_grad(indices, values, num_rows, dim, sparse)
+            grad = table_gradient(table, ctx.table_handle, grad_out, ctx.saved_tensors, *ctx.spec, ctx.table_shape,
+                                  reduce)
+            if grad is None:
+                return (None,) * 9
         return grad, None, None, None, None, None, None, None, None
     return backward
 

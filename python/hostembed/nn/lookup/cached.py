@@ -145,8 +145,18 @@ class _CachedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        # GPU outputs were copied from host rows inside forward, so their
-        # gradient arrives on the GPU; the table's is a host one.
+        table = ctx.table
+        if grad_out.is_cuda and table.kernels_read_it:
+            # Summed on the GPU as the uncached GPU path sums them (hot rows
+            # in chunks, which round differently from the core's straight
+            # sums): the cache then keeps the uncached table's bits.
+            (ids,) = ctx.saved_tensors
+            padding_idx, scale_grad_by_freq, sparse = ctx.spec
+            grad = gpu_ops.gradient_of_ids(table, grad_out, ids, padding_idx, scale_grad_by_freq, sparse) \
+                if ctx.needs_input_grad[0] else None
+            return (grad,) + (None,) * 6
+        # Outputs copied to a GPU from rows the core read: the uncached
+        # table sums their gradient on the CPU too.
         return cpu_ops.lookup_backward(ctx, grad_out.cpu())[:5] + (None, None)
 
 
