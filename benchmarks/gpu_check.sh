@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
-# Everything the GPU path needs checked, on a GPU machine without network:
-# build, GPU tests, the GPU benchmarks and a profile of the step,
-# compute-sanitizer (memcheck, racecheck), the GPU tests again without
-# torch's caching allocator, the rest of the test suite. Logs go to OUTDIR; a short table is printed last.
+# Everything the GPU path needs checked, on a GPU machine without network,
+# the most telling first: build, the row cache on the anchors' protocols
+# (float32, then compact state), the cache's tests, the GPU tests,
+# compute-sanitizer (memcheck, racecheck), a profile of the step, the GPU
+# benchmarks, the GPU tests again without torch's caching allocator, the
+# rest of the test suite. Logs go to OUTDIR; a short table is printed last.
+# On an H100 (2026-11-28) the stages up to the profile took 501 s (compact
+# state not among them; on its own, with a build and the cache's tests, 146 s).
 #
 #   benchmarks/gpu_check.sh OUTDIR
+#
+# Where only a few files come back from the machine, pack OUTDIR after it:
+#   BUDGET_S=530 bash benchmarks/gpu_check.sh /tmp/gc; tar czf logs.tgz -C /tmp gc
 #
 # OUTDIR also gets what a reader needs to repeat the numbers:
 #   source.log    the commit, `git status --short`, a hash of the source tree
@@ -196,10 +203,15 @@ if (( BUILT )); then
     run protocols 180 "$PY" -u benchmarks/cache_step.py --protocols dynamicemb --json "$OUT/cache_protocols.json"
     run protocols_fresh 150 "$PY" -u benchmarks/cache_step.py --protocols fresh --append \
         --json "$OUT/cache_protocols.json"
+    # Compact state (bfloat16 and 8-bit moments): no GPU kernel updates its
+    # records yet, so a cache moves them to host memory; with and without
+    # a cache, on the same fresh batches.
+    run protocols_compact 150 "$PY" -u benchmarks/cache_step.py --protocols fresh --fractions 1,0.2 \
+        --states bfloat16,int8 --append --json "$OUT/cache_protocols.json"
     # The row cache in GPU memory: its tests, its planner against the CPU's
     # (recorded for CI's replay, tests/fixtures/gpu_cache_plans.pt), FBGEMM's
-    # protocol (its row-wise Adagrad and Adam), replayed batches and compact
-    # state, the seeds' model with and without a cache.
+    # protocol (its row-wise Adagrad and Adam), replayed batches; later the
+    # seeds' model with and without a cache (compare).
     run cache_gpu_tests 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_cache_gpu.py
     run plan_record 60 "$PY" benchmarks/cache_plan_record.py "$OUT/gpu_cache_plans.pt"
     # FBGEMM's protocol with Adam (records in GPU memory) and its own
@@ -208,7 +220,6 @@ if (( BUILT )); then
         --append --json "$OUT/cache_protocols.json"
     run protocols_replayed 120 "$PY" -u benchmarks/cache_step.py --protocols replayed --append \
         --json "$OUT/cache_protocols.json"
-    run compare 200 "$PY" benchmarks/compare.py --cache-fraction "${CACHE_FRACTION:-1}" --out "$OUT/compare"
     run gpu_tests 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --durations 15
     SANITIZER=${SANITIZER:-$(command -v compute-sanitizer)}
     for dir in "${CUDA_HOME:-/usr/local/cuda}/bin" /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
@@ -223,12 +234,9 @@ if (( BUILT )); then
         FAILED=1
     fi
     run profile 150 "$PY" benchmarks/gpu_profile.py --prefetch --setups "fused,cache 1.0,cache 0.2"
+    run compare 200 "$PY" benchmarks/compare.py --cache-fraction "${CACHE_FRACTION:-1}" --out "$OUT/compare"
     # shellcheck disable=SC2086  # GPU_ARGS is a list of words
     run benchmark 330 "$PY" benchmarks/gpu.py --rows "$ROWS" --json "$OUT/gpu.json" ${GPU_ARGS:-}
-    # Compact state (its records are in host memory until GPU kernels update
-    # it): one fresh-batch run of each form, for the record.
-    run protocols_compact 120 "$PY" -u benchmarks/cache_step.py --protocols fresh --fractions 1 \
-        --states bfloat16,int8 --no-baseline --append --json "$OUT/cache_protocols.json"
     # The GPU tests again without torch's caching allocator: every output
     # and workspace is then a fresh cudaMalloc, so a kernel that writes
     # nothing cannot pass on a buffer an earlier lookup left the right rows
@@ -262,7 +270,7 @@ done
 grep -H "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT/sanitizer.log" "$OUT/racecheck.log" 2>/dev/null
 [[ -f $OUT/benchmark.log ]] && sed -n '/^## hostembed GPU path/,$p' "$OUT/benchmark.log"
 [[ -f $OUT/plan_record.log ]] && cat "$OUT/plan_record.log"
-for name in protocols protocols_fresh protocols_fbgemm protocols_replayed protocols_compact; do
+for name in protocols protocols_fresh protocols_compact protocols_fbgemm protocols_replayed; do
     [[ -f $OUT/$name.log ]] && sed -n '/^## /,$p' "$OUT/$name.log" | grep -v '^wrote '
 done
 [[ -f $OUT/compare.log ]] && grep -E '^\| [0-9]\.' "$OUT/compare.log"

@@ -271,8 +271,10 @@ class GpuRowCache(RowCache):
     def _to_host_cache(self, why) -> RowCache:
         """Replaces this cache by one of host-memory records (empty), its
         rows written back first, for an optimizer without a GPU update."""
-        warnings.warn(f"hostembed: {why} has no GPU update of a row cache's records; they move to host memory "
-                      "(SparseAdam updates them on the GPU)", stacklevel=5)
+        warnings.warn(f"hostembed: {why} has no GPU update of a row cache's records; they move to host memory, "
+                      "where a step through the cache is slower than one without it (build the module without "
+                      "cache_rows for this optimizer; SparseAdam with float32 state updates them on the GPU)",
+                      stacklevel=5)
         self.flush()
         cache = RowCache(self.table, self.capacity, lookahead=True)
         self.table.cache, self.table.planned = cache, None
