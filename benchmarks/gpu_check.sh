@@ -203,9 +203,8 @@ if (( BUILT )); then
     run protocols 180 "$PY" -u benchmarks/cache_step.py --protocols dynamicemb --json "$OUT/cache_protocols.json"
     run protocols_fresh 150 "$PY" -u benchmarks/cache_step.py --protocols fresh --append \
         --json "$OUT/cache_protocols.json"
-    # Compact state (bfloat16 and 8-bit moments): no GPU kernel updates its
-    # records yet, so a cache moves them to host memory; with and without
-    # a cache, on the same fresh batches.
+    # Compact state (bfloat16 and 8-bit moments, their records updated in
+    # GPU memory), with and without a cache, on the same fresh batches.
     run protocols_compact 150 "$PY" -u benchmarks/cache_step.py --protocols fresh --fractions 1,0.2 \
         --states bfloat16,int8 --append --json "$OUT/cache_protocols.json"
     # The row cache in GPU memory: its tests, its planner against the CPU's

@@ -9,6 +9,7 @@
 #ifdef HE_WITH_CUDA
 
 #include "he_cuda.h"
+#include "quantize.h"
 
 /* cache = (entry, num_rows, row_of, used_at, referenced, capacity,
  * counters, protect). */
@@ -216,6 +217,113 @@ static PyObject *heb_cuda_cache_adam(PyObject *mod, PyObject *args, PyObject *kw
     Py_RETURN_NONE;
 }
 
+/* A moment's codes as float32 words a row (the HostBuffers, and the
+ * moves, hold words): 0, or -1 with ValueError. */
+static int heb_compact_words(const char *what, int dtype, long long dim, long long *words)
+{
+    int per_word = dtype == HE_BF16 ? 2 : he_dtype_quantized(dtype) ? 4 : 0;
+    if (!per_word) {
+        PyErr_Format(PyExc_ValueError, "%s must be %d (bfloat16), %d (int8) or %d (uint8, fourth root), got %d",
+                     what, HE_BF16, HE_Q8, HE_Q8_NONNEG, dtype);
+        return -1;
+    }
+    if (dim % per_word != 0) {
+        PyErr_Format(PyExc_ValueError, "%s %s: a row's codes must fill whole float32 words, so dim must be a multiple "
+                     "of %d, got %lld", what, he_dtype_name(dtype), per_word, dim);
+        return -1;
+    }
+    *words = dim / per_word;
+    return 0;
+}
+
+/* records, host: weight, exp_avg, exp_avg_sq, and with an 8-bit moment
+ * exp_avg_scale, exp_avg_sq_scale (None for a bfloat16 moment's, which
+ * has none), each HostBuffer checked against its rows in float32 words. 0,
+ * or -1 with an exception. */
+static int heb_compact_arrays(PyObject *records, PyObject *host, long long num_rows, long long dim, int m_dtype,
+                              int v_dtype, he_cuda_cache_compact *a)
+{
+    static const char *const names[HE_CUDA_COMPACT_ARRAYS] = {"weight", "exp_avg", "exp_avg_sq", "exp_avg_scale",
+                                                              "exp_avg_sq_scale"};
+    long long words[HE_CUDA_COMPACT_ARRAYS] = {dim, 0, 0, he_q8_blocks(dim), he_q8_blocks(dim)};
+    if (heb_compact_words("m_dtype", m_dtype, dim, &words[1]) < 0 ||
+        heb_compact_words("v_dtype", v_dtype, dim, &words[2]) < 0)
+        return -1;
+    int scaled[2] = {he_dtype_quantized(m_dtype), he_dtype_quantized(v_dtype)};
+    Py_ssize_t count = scaled[0] || scaled[1] ? 5 : 3;
+    if (!PyTuple_Check(records) || !PyTuple_Check(host)) {
+        PyErr_Format(PyExc_TypeError, "records and host must be tuples, got %.100s and %.100s",
+                     Py_TYPE(records)->tp_name, Py_TYPE(host)->tp_name);
+        return -1;
+    }
+    if (PyTuple_GET_SIZE(records) != count || PyTuple_GET_SIZE(host) != count) {
+        PyErr_Format(PyExc_ValueError, "records and host must be tuples of %zd (weight, exp_avg, exp_avg_sq%s) for "
+                     "exp_avg %s and exp_avg_sq %s, got %zd and %zd", count,
+                     count == 5 ? ", exp_avg_scale, exp_avg_sq_scale" : "", he_dtype_name(m_dtype),
+                     he_dtype_name(v_dtype), PyTuple_GET_SIZE(records), PyTuple_GET_SIZE(host));
+        return -1;
+    }
+    memset(a, 0, sizeof *a);
+    a->m_dtype = m_dtype;
+    a->v_dtype = v_dtype;
+    a->dim = dim;
+    for (int i = 0; i < (int)count; i++) {
+        PyObject *r = PyTuple_GET_ITEM(records, i), *h = PyTuple_GET_ITEM(host, i);
+        if (i >= 3 && !scaled[i - 3]) {
+            if (r != Py_None || h != Py_None) {
+                PyErr_Format(PyExc_ValueError, "records[%d] and host[%d] must be None: %s is bfloat16, with no %s",
+                             i, i, names[i - 2], names[i]);
+                return -1;
+            }
+            continue;
+        }
+        heb_address record = {names[i], NULL};
+        heb_buffer rows = {names[i], NULL, 0, NULL, -1};
+        he_table table;
+        void *device_rows;
+        if (!heb_address_converter(r, &record) || !heb_buffer_converter(h, &rows) ||
+            heb_device_rows(&rows, num_rows, words[i], &table, &device_rows) < 0)
+            return -1;
+        a->records[i] = record.ptr;
+        a->host[i] = device_rows;
+    }
+    return 0;
+}
+
+static PyObject *heb_cuda_cache_adam_compact(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"cache", "records", "host", "dim", "m_dtype", "v_dtype", "indices", "values", "nnz",
+                             "lr", "beta1", "beta2", "eps", "step", "maximize", "weight_decay", "device", "stream",
+                             NULL};
+    he_cuda_cache c;
+    PyObject *records, *host;
+    HEB_ADDRESS(indices);
+    HEB_ADDRESS(values);
+    HEB_ADDRESS(stream);
+    long long dim, nnz, step;
+    he_adam_params hp = {0};
+    int m_dtype, v_dtype, maximize, device;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&OOLiiO&O&LddddLpdiO&:cuda_cache_adam_compact", kwlist,
+                                     heb_cuda_cache_converter, &c, &records, &host, &dim, &m_dtype, &v_dtype,
+                                     heb_address_converter, &indices, heb_address_converter, &values, &nnz, &hp.lr,
+                                     &hp.beta1, &hp.beta2, &hp.eps, &step, &maximize, &hp.weight_decay, &device,
+                                     heb_address_converter, &stream))
+        return NULL;
+    he_cuda_cache_compact a;
+    if (heb_compact_arrays(records, host, c.num_rows, dim, m_dtype, v_dtype, &a) < 0)
+        return NULL;
+    hp.step = step;
+    hp.maximize = maximize;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_cache_adam_compact(&c, &a, indices.ptr, values.ptr, nnz, &hp, device, stream.ptr);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *heb_cuda_cache_sync_records(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
@@ -260,6 +368,10 @@ static PyMethodDef heb_cuda_cache_methods[] = {
      "cuda_cache_adam($module, /, *, cache, records, host, dim, indices, values, nnz, lr, beta1, beta2, eps, step, "
      "maximize, weight_decay, device, stream)\n--\n\n"
      "SparseAdam of distinct rows, each in its slot or in host memory"},
+    {"cuda_cache_adam_compact", HEB_KW_FUNC(heb_cuda_cache_adam_compact), METH_VARARGS | METH_KEYWORDS,
+     "cuda_cache_adam_compact($module, /, *, cache, records, host, dim, m_dtype, v_dtype, indices, values, nnz, lr, "
+     "beta1, beta2, eps, step, maximize, weight_decay, device, stream)\n--\n\n"
+     "cuda_cache_adam on bfloat16 or 8-bit moments (their scales after them), with the CPU core's bits"},
     {"cuda_cache_sync_records", HEB_KW_FUNC(heb_cuda_cache_sync_records), METH_VARARGS | METH_KEYWORDS,
      "cuda_cache_sync_records($module, /, *, cache, records, host, dim, to_host, device, stream)\n--\n\n"
      "Every occupied slot's records written to their host rows (to_host) or read from them"},

@@ -26,6 +26,7 @@
 #include "he_cache_policy.h"
 #include "he_cuda_adam.cuh"
 #include "he_cuda_common.cuh"
+#include "he_cuda_compact.cuh"
 
 /* ---- the planner */
 
@@ -502,6 +503,88 @@ extern "C" he_status he_cuda_cache_adam(const he_cuda_cache *c, const he_cuda_ca
             arrays_as<float>(a), c->entry, a->dim, indices, values, items, hc);
     }
     HE_CUDA_LAUNCHED(adam_cached);
+    return HE_OK;
+}
+
+/* adam_cached on compact moments: a warp a (row, block of
+ * HE_CUDA_Q8_BLOCK columns), the CPU's unit, lane l holding columns l,
+ * l + 32, ... of it in registers, so that an 8-bit moment's block is
+ * requantized whole from its new values with one warp reduction. */
+__global__ void adam_compact_cached(he_cuda_cache_compact a, const uint32_t *__restrict__ entry, int64_t blocks,
+                                    const int64_t *__restrict__ indices, const float *__restrict__ values,
+                                    int64_t items, he_adam_consts hc)
+{
+    int lane = threadIdx.x & (HE_CUDA_WARP - 1);
+    int64_t warps = he_thread_count() / HE_CUDA_WARP;
+    /* i is the same for the whole warp: every lane reaches the reduction. */
+    for (int64_t i = he_thread_index() / HE_CUDA_WARP; i < items; i += warps) {
+        int64_t k = i / blocks, block = i - k * blocks, row = indices[k], col = block * HE_CUDA_Q8_BLOCK;
+        int n = (int)(a.dim - col < HE_CUDA_Q8_BLOCK ? a.dim - col : HE_CUDA_Q8_BLOCK);
+        uint32_t s1 = he_cache_entry_slot1(entry[row]);
+        char *base[HE_CUDA_COMPACT_ARRAYS];
+#pragma unroll
+        for (int x = 0; x < HE_CUDA_COMPACT_ARRAYS; x++)
+            base[x] = (char *)(s1 ? a.records[x] : a.host[x]);
+        int64_t r = s1 ? (int64_t)(s1 - 1) : row, at = r * a.dim + col;
+        float *w = (float *)base[0] + at;
+        char *mc = base[1] + at * (a.m_dtype == HE_BF16 ? 2 : 1), *vc = base[2] + at * (a.v_dtype == HE_BF16 ? 2 : 1);
+        /* A bfloat16 moment has no scales (its pointer is NULL, never offset). */
+        float *ms = a.m_dtype != HE_BF16 ? (float *)base[3] + r * blocks + block : NULL;
+        float *vs = a.v_dtype != HE_BF16 ? (float *)base[4] + r * blocks + block : NULL;
+        const float *g = values + k * a.dim + col;
+        float m[HE_CUDA_Q8_PER_LANE], v[HE_CUDA_Q8_PER_LANE];
+        he_compact_load(a.m_dtype, mc, ms, lane, n, m);
+        he_compact_load(a.v_dtype, vc, vs, lane, n, v);
+#pragma unroll
+        for (int j = 0; j < HE_CUDA_Q8_PER_LANE; j++) {
+            int c = lane + j * HE_CUDA_WARP;
+            if (c < n) {
+                float wv = w[c];
+                he_adam_element(g[c], wv, m[j], v[j], hc);
+                w[c] = wv;
+            }
+        }
+        he_compact_store(a.m_dtype, mc, ms, lane, n, m);
+        he_compact_store(a.v_dtype, vc, vs, lane, n, v);
+    }
+}
+
+/* exp_avg may be int8, never the fourth root (it takes negative values);
+ * exp_avg_sq either: the 8-bit forms the CPU core allows them. */
+static int compact_moment(int dtype, int nonneg)
+{
+    return dtype == HE_BF16 || dtype == HE_Q8 || (nonneg && dtype == HE_Q8_NONNEG);
+}
+
+extern "C" he_status he_cuda_cache_adam_compact(const he_cuda_cache *c, const he_cuda_cache_compact *a,
+                                                const int64_t *indices, const float *values, int64_t nnz,
+                                                const he_adam_params *hp, int device, void *stream_handle)
+{
+    he_status st = check_cache(c);
+    if (st != HE_OK)
+        return st;
+    if (a->dim < 0 || !compact_moment(a->m_dtype, 0) || !compact_moment(a->v_dtype, 1))
+        return he_fail(HE_ERR_VALUE,
+                       "a GPU cache's compact SparseAdam needs dim >= 0, exp_avg bfloat16 or int8 and exp_avg_sq "
+                       "bfloat16, int8 or uint8 (fourth root), got %lld, %s (%d) and %s (%d)",
+                       (long long)a->dim, he_dtype_name(a->m_dtype), a->m_dtype, he_dtype_name(a->v_dtype),
+                       a->v_dtype);
+    if (nnz < 0)
+        return he_fail(HE_ERR_VALUE, "SparseAdam needs nnz >= 0, got %lld", (long long)nnz);
+    if (hp->step < 1)
+        return he_fail(HE_ERR_VALUE, "step must be >= 1, got %lld", (long long)hp->step);
+    if (nnz == 0 || a->dim == 0)
+        return HE_OK;
+    he_cuda_device_scope scope;
+    st = scope.enter(device);
+    if (st != HE_OK)
+        return st;
+    he_adam_consts hc = he_adam_make_consts(hp);
+    cudaStream_t stream = (cudaStream_t)stream_handle;
+    int64_t blocks = (a->dim + HE_CUDA_Q8_BLOCK - 1) / HE_CUDA_Q8_BLOCK, items = nnz * blocks;
+    adam_compact_cached<<<he_cuda_blocks(items, HE_CUDA_THREADS / HE_CUDA_WARP), HE_CUDA_THREADS, 0, stream>>>(
+        *a, c->entry, blocks, indices, values, items, hc);
+    HE_CUDA_LAUNCHED(adam_compact_cached);
     return HE_OK;
 }
 

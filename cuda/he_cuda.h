@@ -203,6 +203,31 @@ he_status he_cuda_cache_gather(const he_cuda_cache_arrays *a, const int64_t *uni
 he_status he_cuda_cache_adam(const he_cuda_cache *c, const he_cuda_cache_arrays *a, const int64_t *indices,
                              const float *values, int64_t nnz, const he_adam_params *hp, int device, void *stream);
 
+/* The records and host rows of a SparseAdam whose moments are compact
+ * (csrc/quantize.h's 8-bit forms, or bfloat16), as the CPU core keeps
+ * them: weight [*, dim] float32; exp_avg and exp_avg_sq [*, dim] codes of
+ * m_dtype and v_dtype (HE_BF16, HE_Q8, and for exp_avg_sq HE_Q8_NONNEG);
+ * for an 8-bit moment its scales, float32 [*, ceil(dim / 256)] (NULL for a
+ * bfloat16 one). records[i] [capacity, ...] in device memory, host[i] the
+ * device address of registered host rows [num_rows, ...]. */
+#define HE_CUDA_COMPACT_ARRAYS 5
+typedef struct he_cuda_cache_compact {
+    void *records[HE_CUDA_COMPACT_ARRAYS]; /* weight, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale */
+    void *host[HE_CUDA_COMPACT_ARRAYS];
+    int m_dtype, v_dtype;
+    int64_t dim;
+} he_cuda_cache_compact;
+
+/* he_cuda_cache_adam on compact moments, with the CPU core's bits
+ * (csrc/sparse_update.c's update_blocks): each block of 256 columns of a
+ * row (an 8-bit scale's) widened to float32, updated, and rounded back to
+ * nearest, an 8-bit moment's block requantized whole from its new values.
+ * The moves and syncs carry the compact arrays as float32 words, so a
+ * row's codes must fill whole words (the binding checks). */
+he_status he_cuda_cache_adam_compact(const he_cuda_cache *c, const he_cuda_cache_compact *a, const int64_t *indices,
+                                     const float *values, int64_t nnz, const he_adam_params *hp, int device,
+                                     void *stream);
+
 /* Every occupied slot's record of each array of `a`: written to its host
  * row (to_host), or read from it. */
 he_status he_cuda_cache_sync_records(const he_cuda_cache *c, const he_cuda_cache_arrays *a, int to_host, int device,

@@ -9,6 +9,7 @@ Every test checks that the records were in GPU memory and updated there
 update, which would give the same values)."""
 import pathlib
 import sys
+import warnings
 
 import pytest
 import torch
@@ -147,37 +148,77 @@ def test_hot_ids_through_a_small_gpu_cache_give_the_uncached_gpu_bits(fused):
     _assert_same(pairs)
 
 
-@pytest.mark.parametrize("form", ["Adagrad", "bfloat16", "int8"])
-@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_records_moved_to_host_memory_keep_the_uncached_gpu_bits(form, fused):
-    """An optimizer without a GPU update (Adagrad; SparseAdam with compact
-    state) moves the records to host memory; with hot ids, the gradient of
-    GPU outputs must still be summed as the uncached GPU path sums it (in
-    chunks), or the cached table drifts from the uncached one by an ulp."""
+def _hot_id_pairs(make, dim, steps=4):
+    """An uncached GPU-output table and one with a 40-row cache, trained
+    alike by make(module)'s optimizer on Zipf ids hot enough that the GPU
+    backward sums the hottest rows in chunks (cuda/grad_reduce.cu)."""
     torch.manual_seed(0)
-    plain = hostembed.Embedding(700, 16, device="cuda")
-    cached = hostembed.Embedding(700, 16, cache_rows=40, device="cuda")
+    plain = hostembed.Embedding(700, dim, device="cuda")
+    cached = hostembed.Embedding(700, dim, cache_rows=40, device="cuda")
     with torch.no_grad():
         cached.weight.copy_(plain.weight)
+    pairs = [(m, make(m)) for m in (plain, cached)]
+    gen = torch.Generator().manual_seed(0)
+    hottest = 0
+    for _ in range(steps):
+        ids, grad = zipf_ids(700, 300, alpha=1.1, generator=gen), torch.randn(300, dim, generator=gen)
+        hottest = max(hottest, int(torch.bincount(ids).max()))
+        for module, opt in pairs:
+            module(ids.cuda()).backward(grad.cuda())
+            opt.step()
+            opt.zero_grad()
+    assert hottest > 32, "no id was hot enough for the chunked sums"
+    return pairs
+
+
+@pytest.mark.parametrize("form", ["Adagrad", "int8_rowwise"])
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_records_moved_to_host_memory_keep_the_uncached_gpu_bits(form, fused):
+    """An optimizer without a GPU update (Adagrad; SparseAdam with a
+    row-wise second moment) moves the records to host memory; with hot
+    ids, the gradient of GPU outputs must still be summed as the uncached
+    GPU path sums it (in chunks), or the cached table drifts from the
+    uncached one by an ulp."""
     if form == "Adagrad":
         make = lambda m: hostembed.Adagrad(m.parameters(), lr=0.1, fused=fused)  # noqa: E731
     else:
         make = lambda m: hostembed.SparseAdam(m.parameters(), lr=0.01, fused=fused,  # noqa: E731
-                                              state_dtype=getattr(torch, form))
-    pairs = [(m, make(m)) for m in (plain, cached)]
-    gen = torch.Generator().manual_seed(0)
-    hottest = 0
+                                              state_dtype=torch.int8, rowwise_exp_avg_sq=True)
     with pytest.warns(UserWarning, match="no GPU update"):
-        for _ in range(4):
-            ids, grad = zipf_ids(700, 300, alpha=1.1, generator=gen), torch.randn(300, 16, generator=gen)
-            hottest = max(hottest, int(torch.bincount(ids).max()))
-            for module, opt in pairs:
-                module(ids.cuda()).backward(grad.cuda())
-                opt.step()
-                opt.zero_grad()
-    assert hottest > 32, "no id was hot enough for the chunked sums"
-    assert cached._table.cache.device.type == "cpu"
-    assert plain._table.cache is None
+        pairs = _hot_id_pairs(make, 16)
+    assert pairs[1][0]._table.cache.device.type == "cpu"
+    assert pairs[0][0]._table.cache is None
+    _assert_same(pairs)
+
+
+@pytest.mark.parametrize("form,dim", [("bfloat16", 16), ("int8", 16), ("int8", 260), ("bfloat16", 260),
+                                      ("bfloat16", 6), ("int8", 4)])
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_compact_moments_in_gpu_records_give_the_uncached_bits(form, dim, fused):
+    """bfloat16 and 8-bit moments (260 columns: a block of 256 and a part,
+    each with its scale; 6 and 4: rows of an odd number of words, and four
+    arrays one word wide, moved in two calls) stay in GPU records, updated there by the kernel
+    (cuda/cache.cu's adam_compact_cached) to the CPU core's bits: the
+    cached table and its state equal the uncached table's, whose update
+    runs on the CPU."""
+    make = lambda m: hostembed.SparseAdam(m.parameters(), lr=0.01, fused=fused,  # noqa: E731
+                                          state_dtype=getattr(torch, form))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no GPU update.*")
+        pairs = _hot_id_pairs(make, dim)
+    cached, opt = pairs[1]
+    cache = cached._table.cache
+    assert cache.device.type == "cuda" and cache.cached["exp_avg"].is_cuda
+    assert cache.cached["exp_avg"].dtype == (torch.bfloat16 if form == "bfloat16" else torch.int8)
+    assert opt._last_update == "cache" and cache.last_update_from.type == "cuda"
+    if fused:
+        # The update took the backward's sums as they were: no check of
+        # them on the host (a dedup a lookup is the step's one wait).
+        ids = torch.arange(0, 700, 7, device="cuda")
+        pairs[0][0](ids).sum().backward()
+        waits = cache.host_waits
+        cached(ids).sum().backward()
+        assert cache.host_waits - waits == 1
     _assert_same(pairs)
 
 

@@ -375,49 +375,6 @@ def test_a_row_cache_keeps_compact_state_in_its_records_with_the_uncached_bits(f
         assert torch.equal(torch.as_tensor(mine[key]), torch.as_tensor(value)), key
 
 
-def test_compact_state_moves_a_gpu_cache_to_host_records():
-    """The GPU cache's update kernel keeps float32 Adam state: a compact
-    state moves the cache to host-memory records (as another optimizer
-    does), with the uncached bits. Run on the GPU cache's host twin."""
-    from hostembed._cache.gpu_cache import GpuRowCache
-    from hostembed._core.ops import update as update_ops
-    from hostembed._core.table import HostTable
-    results = []
-    for cached in (False, True):
-        table = HostTable(200, 16)
-        table.tensor.copy_(torch.randn(200, 16, generator=torch.Generator().manual_seed(0)))
-        state = {"exp_avg": (table.zeros(dtype=torch.int8), table.zeros(dtype=torch.float32, width=1), False),
-                 "exp_avg_sq": (table.zeros(dtype=torch.uint8), table.zeros(dtype=torch.float32, width=1), False)}
-        if cached:
-            table.cache = GpuRowCache(table, 16, device="cpu")
-        gen = torch.Generator().manual_seed(1)
-        for step in range(1, 6):
-            unique = torch.unique(zipf_ids(200, 40, generator=gen))
-            if cached and step == 1:
-                table.cache.plan_batch(unique, unique.numel())
-            grad = torch.randn(unique.numel(), 16, generator=gen)
-            with pytest.warns(UserWarning, match="compact optimizer state") if cached and step == 1 else \
-                    _quiet():
-                update_ops.sparse_update(update_ops.ADAM, table.tensor, state, unique, grad, lr=0.01, step=step,
-                                         maximize=False, beta1=0.9, beta2=0.999, eps=1e-8)
-        if cached:
-            assert type(table.cache).__name__ == "RowCache"
-            table.cache.flush()
-        results.append((table.tensor.clone(), state["exp_avg"][0].clone(), state["exp_avg_sq"][1].clone()))
-    for mine, theirs in zip(*results):
-        assert torch.equal(mine, theirs)
-
-
-class _quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-
-
 @pytest.mark.parametrize("make", [lambda p: hostembed.SparseAdam(p, state_dtype=torch.int8),
                                   lambda p: hostembed.Adagrad(p, state_dtype=torch.int8)])
 def test_8bit_state_on_rows_too_narrow_to_gain_says_so(make):

@@ -1,7 +1,8 @@
 """Compact optimizer state with GPU outputs: the lookup runs on the GPU
 kernels, the update on the CPU core (the GPU update kernel keeps float32
 state), and training matches the same form with CPU outputs; a GPU row
-cache hands compact state to host-memory records."""
+cache keeps bfloat16 and 8-bit moments in its records (a row-wise second
+moment moves them to host memory)."""
 import pytest
 import torch
 
@@ -55,9 +56,19 @@ def test_gpu_outputs_train_compact_state_as_cpu_outputs(form, fused):
     assert (gpu.weight.detach() - cpu.weight.detach()).abs().max() <= 0.05 * path
 
 
-def test_a_gpu_row_cache_moves_compact_state_to_host_records():
+def test_a_gpu_row_cache_moves_a_rowwise_second_moment_to_host_records():
     with pytest.warns(UserWarning, match="compact optimizer state"):
-        cached, cached_opt = _train("cuda", "int8", False, cache_rows=100)
-    plain, _ = _train("cuda", "int8", False)
+        cached, cached_opt = _train("cuda", "int8_rowwise", False, cache_rows=100)
+    plain, _ = _train("cuda", "int8_rowwise", False)
     assert type(cached._table.cache).__name__ == "RowCache"
-    torch.testing.assert_close(cached.weight.detach(), plain.weight.detach(), rtol=0, atol=1e-5)
+    assert torch.equal(cached.weight.detach(), plain.weight.detach())
+
+
+@pytest.mark.parametrize("form", ["int8", "bf16"])
+def test_a_gpu_row_cache_keeps_compact_moments_in_gpu_records(form):
+    cached, cached_opt = _train("cuda", form, True, cache_rows=100)
+    plain, plain_opt = _train("cuda", form, True)
+    assert cached._table.cache.cached["exp_avg"].is_cuda
+    assert torch.equal(cached.weight.detach(), plain.weight.detach())
+    for key, value in plain_opt.state_dict()["state"][0].items():
+        assert torch.equal(torch.as_tensor(cached_opt.state_dict()["state"][0][key]), torch.as_tensor(value)), key

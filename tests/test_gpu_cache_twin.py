@@ -67,6 +67,84 @@ def test_training_through_the_twin_gives_the_uncached_bits(capacity, ahead):
         assert stats["bypassed"] > 0
 
 
+def _compact_states(tables, form):
+    """SparseAdam's compact moments for each table, in update_ops' form
+    (codes, scales or None, stochastic): bfloat16, or 8-bit with a scale
+    a block of 256 columns."""
+    states = []
+    for t in tables:
+        if form == "bfloat16":
+            states.append({"exp_avg": (t.zeros(dtype=torch.bfloat16), None, False),
+                           "exp_avg_sq": (t.zeros(dtype=torch.bfloat16), None, False)})
+        else:
+            blocks = -(-t.dim // 256)
+            states.append({"exp_avg": (t.zeros(dtype=torch.int8), t.zeros(dtype=torch.float32, width=blocks), False),
+                           "exp_avg_sq": (t.zeros(dtype=torch.uint8), t.zeros(dtype=torch.float32, width=blocks),
+                                          False)})
+    return states
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["planned-at-lookup", "planned-ahead"])
+@pytest.mark.parametrize("form,dim", [("bfloat16", 6), ("int8", 8), ("int8", 260)])
+def test_compact_moments_in_the_twins_records_give_the_uncached_bits(form, dim, ahead):
+    """bfloat16 and 8-bit moments (260 columns: a block and a part, each
+    with its scale) stay in the cache's records, updated there, and the
+    table trains to the uncached compact table's bits, with evictions."""
+    rows, steps, capacity = 2000, 40, 96
+    gen = torch.Generator().manual_seed(dim + ahead)
+    tables = [HostTable(rows, dim) for _ in range(2)]
+    init = torch.randn(rows, dim, generator=gen)
+    for t in tables:
+        t.tensor.copy_(init)
+    states = _compact_states(tables, form)
+    cache = tables[1].cache = GpuRowCache(tables[1], capacity, device="cpu")
+    batches = [_skewed_batch(gen, rows, 200) for _ in range(steps)]
+    plans = {}
+    for b, unique in enumerate(batches):
+        n = unique.numel()
+        plan = plans.pop(b) if b in plans else cache.plan_batch(unique, n)
+        assert torch.equal(cache.gather(plan, unique, n), tables[0].tensor[unique]), f"stale rows at step {b}"
+        if ahead and b + 1 < steps:
+            plans[b + 1] = cache.plan_batch(batches[b + 1], batches[b + 1].numel())
+        grad = torch.randn(n, dim, generator=gen)
+        _ops.sparse_update(_ops.ADAM, tables[0].tensor, states[0], unique, grad, step=b + 1, **HYPER)
+        cache.note_distinct(unique)
+        cache.update(_ops.ADAM, states[1], unique, grad, step=b + 1, **HYPER)
+    assert tables[1].cache is cache  # not moved to host records
+    keys = {"exp_avg", "exp_avg_sq"} | ({"exp_avg_scale", "exp_avg_sq_scale"} if form == "int8" else set())
+    assert keys <= set(cache.cached)
+    assert cache.cached["exp_avg"].dtype == states[1]["exp_avg"][0].dtype
+    stats = cache.stats
+    assert stats["evictions"] > 0 and stats["bypassed"] > 0
+    cache.flush()
+    assert torch.equal(tables[1].tensor, tables[0].tensor)
+    for key in states[0]:
+        for mine, theirs in zip(states[1][key][:2], states[0][key][:2]):
+            if theirs is not None:
+                assert torch.equal(mine, theirs), key
+
+
+def test_compact_moments_the_device_cannot_update_move_to_host_records():
+    """Stochastic rounding (its draw is the row's number, a record's would
+    be its slot's) and 8-bit codes whose rows are not whole words move the
+    records to host memory."""
+    for dim, stochastic, state_of in (
+            (8, True, lambda t: {"exp_avg": (t.zeros(dtype=torch.bfloat16), None, True),
+                                 "exp_avg_sq": (t.zeros(dtype=torch.bfloat16), None, True)}),
+            (6, False, lambda t: _compact_states([t], "int8")[0])):
+        table = HostTable(50, dim)
+        cache = table.cache = GpuRowCache(table, 8, device="cpu")
+        unique = torch.tensor([1, 4])
+        cache.plan_batch(unique, 2)
+        with pytest.warns(UserWarning, match="compact optimizer state has no GPU update"):
+            if stochastic:  # which a cache of host records refuses in turn
+                with pytest.raises(NotImplementedError, match="rounded to nearest"):
+                    cache.update(_ops.ADAM, state_of(table), unique, torch.ones(2, dim), step=1, **HYPER)
+            else:
+                cache.update(_ops.ADAM, state_of(table), unique, torch.ones(2, dim), step=1, **HYPER)
+        assert type(table.cache).__name__ == "RowCache"
+
+
 def test_a_gradient_with_repeats_is_checked_and_summed_on_the_host():
     # Two lookups' sums concatenated (rows repeated), and an index outside
     # the table: the update that cannot take them as they are checks them

@@ -6,7 +6,8 @@ A batch: plan_batch(unique, n) plans it and moves records (evictions
 written back, fetches read, over the pinned mapping), gather(plan, unique,
 n) reads its rows for the forward (from their slots, or host memory where
 they bypass the cache), update(...) is SparseAdam's step of rows wherever
-they are at that moment. Nothing of it reads a device value on the host:
+they are at that moment (a compact state's codes and scales are records
+too, moved as float32 words). Nothing of it reads a device value on the host:
 the lookup's dedup, which sizes the batch, is the one wait of a step
 (done by prefetch() when the next batch is known, else by the lookup).
 
@@ -24,7 +25,46 @@ from torch import Tensor
 from .._core.ops import update as update_ops
 from .._core.ops.cache_plan import CachePlanner
 from .._core.ops.gpu_cache import CachePlanOnDevice, GpuCacheState
-from .row_cache import RowCache, _ordered
+from .row_cache import RowCache, _ordered, _scale_key, _tensors_of
+
+# Arrays one move of the kernels takes (cuda/he_cuda.h's HE_CUDA_CACHE_ARRAYS).
+_MOVED_AT_ONCE = 3
+_SCALE_KEYS = (_scale_key("exp_avg"), _scale_key("exp_avg_sq"))
+# Compact moments the GPU update takes, as (exp_avg's dtype, exp_avg_sq's):
+# csrc/quantize.h's 8-bit forms (scales a block) and bfloat16.
+_DEVICE_FORMS = {(torch.bfloat16, torch.bfloat16): 2, (torch.int8, torch.uint8): 4}
+
+
+def _words(records):
+    """A record's row width in float32 words (its bytes / 4)."""
+    return records[:1].nbytes // 4 if records.dim() > 1 else 1
+
+
+def _compact_state(arrays):
+    """update_ops' compact state over (weight, exp_avg, exp_avg_sq[, their
+    scales]), rounded to nearest."""
+    scales = arrays[3:] or (None, None)
+    return {"exp_avg": (arrays[1], scales[0], False), "exp_avg_sq": (arrays[2], scales[1], False)}
+
+
+def _compact_forms(state, dim):
+    """(exp_avg's, exp_avg_sq's) state dtype of a compact SparseAdam state
+    that a cache updates on its device, or None: moments a value per column
+    rounded to nearest (stochastic rounding draws from the row's number,
+    and a record's is its slot's), of a form the kernel takes, whose rows
+    are whole float32 words (the moves move words)."""
+    items = [state.get("exp_avg"), state.get("exp_avg_sq")]
+    if len(state) != 2 or any(isinstance(item, Tensor) or item is None for item in items):
+        return None
+    if any(item[2] or item[0].dim() != 2 for item in items):
+        return None
+    forms = (items[0][0].dtype, items[1][0].dtype)
+    per_word = _DEVICE_FORMS.get(forms)
+    if per_word is None or dim % per_word:
+        return None
+    if (forms[0] == torch.int8) != all(item[1] is not None for item in items):
+        return None
+    return forms
 
 
 class HostTwinState:
@@ -72,6 +112,16 @@ class HostTwinState:
         update_ops.update_rows(update_ops.ADAM, self.table, {"exp_avg": hosts[1], "exp_avg_sq": hosts[2]},
                                indices[~cached], values[~cached], **hyper)
 
+    def adam_compact(self, records, hosts, forms, indices, values, **hyper):
+        """adam's, with compact moments (GpuCacheState.adam_compact's
+        arrays): the core's update of records and host rows."""
+        slots = self.planner.slots_of(indices).long()
+        cached = slots >= 0
+        update_ops.update_rows(update_ops.ADAM, self.record_table, _compact_state(records), slots[cached],
+                               values[cached], **hyper)
+        update_ops.update_rows(update_ops.ADAM, self.table, _compact_state(hosts), indices[~cached],
+                               values[~cached], **hyper)
+
     def sync_records(self, records, hosts, dim, *, to_host):
         slots = (self.row_of >= 0).nonzero().view(-1)
         rows = self.row_of[slots]
@@ -96,10 +146,13 @@ class HostTwinState:
 
 class GpuRowCache(RowCache):
     """A float32 table's row cache on `device` (a GPU; "cpu": the host
-    twin, for tests), for SparseAdam: RowCache's coherence with host memory
-    (dirty, stale, flush, attach_state) over a planner and records that
-    stay on the device. Another optimizer's first update moves the cache
-    to host memory (a RowCache of host records), with a warning."""
+    twin, for tests), for SparseAdam with float32 state or compact moments
+    (bfloat16, or 8-bit with a scale a block) rounded to nearest:
+    RowCache's coherence with host memory (dirty, stale, flush,
+    attach_state) over a planner and records that stay on the device.
+    Another optimizer's first update, or another state (a row-wise second
+    moment, stochastic rounding), moves the cache to host memory (a
+    RowCache of host records), with a warning."""
 
     def __init__(self, table, capacity: int, *, device):
         self.table = table
@@ -168,6 +221,26 @@ class GpuRowCache(RowCache):
     def _arrays(self, keys):
         return [self.cached[k] for k in keys], [self._host_of(self.host[k]) for k in keys]
 
+    def _as_words(self, records):
+        """Records as the kernels move them, float32 words (the host twin
+        moves them with torch, as they are, beside host tensors of theirs)."""
+        if self.device.type == "cpu" or records.dtype == torch.float32:
+            return records
+        return records.view(torch.float32)
+
+    def _word_groups(self, keys):
+        """(records, hosts, width) for the moves of `keys`' records: the
+        kernels move rows of float32 words, so records are grouped by their
+        row's width in words (a compact state's codes and scales are bits to
+        them), at most _MOVED_AT_ONCE a group."""
+        groups = {}
+        for key in keys:
+            groups.setdefault(_words(self.cached[key]), []).append(key)
+        for width, group in groups.items():
+            for at in range(0, len(group), _MOVED_AT_ONCE):
+                part = group[at:at + _MOVED_AT_ONCE]
+                yield [self._as_words(self.cached[k]) for k in part], [self._host_of(self.host[k]) for k in part], width
+
     def _host_memory_next(self):
         """Before the ops read or write host memory: after any GPU work on
         the rows on another stream (an uncached lookup's, say)."""
@@ -187,7 +260,7 @@ class GpuRowCache(RowCache):
         # a key at a time, and marking every key seen would hide another
         # key's write that it has yet to look at.
         self._host_memory_next()
-        self.ops.sync_records([records], [self._host_of(host)], self.table.dim, to_host=False)
+        self.ops.sync_records([self._as_words(records)], [self._host_of(host)], _words(records), to_host=False)
         if self.device.type == "cuda":
             self.table.record_gpu_use(torch.cuda.current_stream(self.device))
 
@@ -213,8 +286,8 @@ class GpuRowCache(RowCache):
         self._sync()
         self._host_memory_next()
         plan = self.ops.plan(unique, n)
-        records, hosts = self._arrays(list(self.host))
-        self.ops.move(plan, unique, n, records, hosts, self.table.dim)
+        for records, hosts, width in self._word_groups(list(self.host)):
+            self.ops.move(plan, unique, n, records, hosts, width)
         self._host_memory_used()
         return plan
 
@@ -231,12 +304,15 @@ class GpuRowCache(RowCache):
     @_ordered
     def update(self, kind: int, state: dict, indices: Tensor, values: Tensor, **hyper) -> None:
         """RowCache.update: SparseAdam's on the device, each row in its slot if
-        cached now, else in host memory; another optimizer moves the cache to
-        host memory first. An index outside the table raises IndexError
-        before anything is written."""
+        cached now, else in host memory, with float32 state or compact
+        moments (bfloat16, or 8-bit with their scales) rounded to nearest;
+        another optimizer or state moves the cache to host memory first. An
+        index outside the table raises IndexError before anything is
+        written."""
         compact = not all(isinstance(item, Tensor) for item in state.values())
-        if kind != update_ops.ADAM or compact:
-            why = "a compact optimizer state" if compact else update_ops.optimizer_name(kind)
+        forms = _compact_forms(state, self.table.dim) if compact else None
+        if kind != update_ops.ADAM or (compact and forms is None):
+            why = "this compact optimizer state" if compact else update_ops.optimizer_name(kind)
             self._to_host_cache(why).update(kind, state, indices, values, **hyper)
             return
         self.last_update_from = values.device
@@ -244,13 +320,18 @@ class GpuRowCache(RowCache):
         if not distinct:
             indices, values = self._distinct_rows(indices, values)
         self._sync()
-        for key, tensor in state.items():
+        tensors = _tensors_of(state)
+        for key, tensor in tensors.items():
             if self.host.get(key) is not tensor:
                 self.attach_state(key, tensor)
-        keys = ("weight", "exp_avg", "exp_avg_sq")
+        keys = ("weight", "exp_avg", "exp_avg_sq") + tuple(k for k in _SCALE_KEYS if k in tensors)
         records, hosts = self._arrays(keys)
+        values = values.to(torch.float32).contiguous()
         self._host_memory_next()
-        self.ops.adam(records, hosts, indices, values.to(torch.float32).contiguous(), **hyper)
+        if compact:
+            self.ops.adam_compact(records, hosts, forms, indices, values, **hyper)
+        else:
+            self.ops.adam(records, hosts, indices, values, **hyper)
         self._host_memory_used()
         self.dirty.update(keys)
 
@@ -273,7 +354,8 @@ class GpuRowCache(RowCache):
         rows written back first, for an optimizer without a GPU update."""
         warnings.warn(f"hostembed: {why} has no GPU update of a row cache's records; they move to host memory, "
                       "where a step through the cache is slower than one without it (build the module without "
-                      "cache_rows for this optimizer; SparseAdam with float32 state updates them on the GPU)",
+                      "cache_rows for this optimizer; SparseAdam updates them on the GPU with float32 state, or "
+                      "bfloat16 or 8-bit moments rounded to nearest whose rows fill whole float32 words)",
                       stacklevel=5)
         self.flush()
         cache = RowCache(self.table, self.capacity, lookahead=True)
@@ -285,9 +367,9 @@ class GpuRowCache(RowCache):
         self._sync()
         todo = [k for k in (self.host if keys is None else keys) if k in self.dirty]
         if todo:
-            records, hosts = self._arrays(todo)
             self._host_memory_next()
-            self.ops.sync_records(records, hosts, self.table.dim, to_host=True)
+            for records, hosts, width in self._word_groups(todo):
+                self.ops.sync_records(records, hosts, width, to_host=True)
             self.host_waits += 1
             if self.device.type == "cuda":
                 # Host memory is read next (state_dict, save, the weight).

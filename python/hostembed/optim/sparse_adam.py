@@ -270,9 +270,11 @@ class SparseAdam(torch.optim.SparseAdam):
         twin = take_grad_twin(table, grad)
         if self._compact:
             state, step = self._compact_state(p, table)
+            if table.cache is not None and twin is not None and twin.device == table.cache.device:
+                indices, values = twin.indices, twin.values  # a GPU cache updates from the GPU copy
             update_ops.sparse_update(self._kind, p, self._core_state(table, state), indices, values,
                                      **self._hyper(group, step + 1))
-            self._last_update = "cpu"
+            self._last_update = "cpu" if table.cache is None else "cache"
             self.state[p].update(state, step=step + 1)
             return
         exp_avg, exp_avg_sq, step = self._table_state(p, table)
@@ -358,16 +360,22 @@ class SparseAdam(torch.optim.SparseAdam):
     def _fused_compact_update(self, p, table, group, gradients):
         """_fused_update of a compact state: on the CPU (one lookup's
         gradient in the core's fused pass, else the reduced gradients as
-        unfused)."""
+        unfused), or by a row cache where its records are."""
         state, step = self._compact_state(p, table)
         hyper, core_state = self._hyper(group, step + 1), self._core_state(table, state)
         if len(gradients) == 1 and isinstance(gradients[0], _fused.CpuGradient):
             update_ops.sparse_update_fused(self._kind, p, core_state, gradients[0], **hyper)
         else:
-            parts = [update_ops.reduce_to_host(table, g) for g in gradients]
-            update_ops.sparse_update(self._kind, p, core_state, torch.cat([i for i, _ in parts]),
-                                     torch.cat([v for _, v in parts]), **hyper)
-        self._last_update = "cpu"
+            # A cache in GPU memory takes GPU sums as they are (as _fused_update).
+            on_gpu = table.cache is not None and table.cache.device.type == "cuda" and \
+                all(isinstance(g, _fused.GpuGradient) and g.values.device == table.cache.device for g in gradients)
+            parts = [g.wait() if on_gpu else update_ops.reduce_to_host(table, g) for g in gradients]
+            # One lookup's sums as they are: the cache knows them distinct
+            # (note_distinct), a copy it would check on the host.
+            indices, values = parts[0] if len(parts) == 1 else \
+                (torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
+            update_ops.sparse_update(self._kind, p, core_state, indices, values, **hyper)
+        self._last_update = "cpu" if table.cache is None else "cache"
         self.state[p].update(state, step=step + 1)
 
     def _compact_state(self, p, table):

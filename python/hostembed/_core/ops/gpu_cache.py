@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .. import _C
+from ..table import STATE_CODES
 from .common import address
 
 # cuda/he_cuda.h's he_cuda_cache counters, in order.
@@ -95,6 +96,20 @@ class GpuCacheState:
                            dim=dim, indices=address(indices), values=address(values), nnz=indices.numel(), lr=lr,
                            beta1=beta1, beta2=beta2, eps=eps, step=step, maximize=maximize,
                            weight_decay=weight_decay, device=self.device.index, stream=_stream(self.device))
+
+    def adam_compact(self, records, hosts, forms, indices: Tensor, values: Tensor, *, lr, beta1, beta2, eps, step,
+                     maximize, weight_decay=0.0, lr_decay=0.0) -> None:
+        """adam with compact moments (forms: exp_avg's and exp_avg_sq's
+        dtype, bfloat16 or 8-bit) rounded to nearest, to the CPU core's bits.
+        records, hosts: weight, exp_avg, exp_avg_sq (and the 8-bit moments'
+        scales)."""
+        dim = values.shape[1] if values.dim() == 2 else 0
+        _C.cuda_cache_adam_compact(cache=self._cache(), records=tuple(address(r) for r in records),
+                                   host=tuple(hosts), dim=dim, m_dtype=STATE_CODES[forms[0]],
+                                   v_dtype=STATE_CODES[forms[1]], indices=address(indices), values=address(values),
+                                   nnz=indices.numel(), lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step,
+                                   maximize=maximize, weight_decay=weight_decay, device=self.device.index,
+                                   stream=_stream(self.device))
 
     def sync_records(self, records, hosts, dim: int, *, to_host: bool) -> None:
         """Every occupied slot's records written to (or read from) its host rows."""
