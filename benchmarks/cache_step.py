@@ -33,7 +33,8 @@ protocols' own figures are means, ours are printed as median and mean.
 JSON (--json; default benchmarks/results/<device>-<date>/cache_protocols.json):
 a list of rows {"protocol", "cache" (fraction; 0 for none), "state",
 "optimizer", "ms_per_step" (median), "mean_ms", "device", "date", the
-phases, hit rate, bytes and waits}.
+phases, hit rate, bytes and waits, and the cache's rows per GiB of its
+records as allocated}.
 
 Usage (after `pip install .`; a GPU for the real figures):
     python benchmarks/cache_step.py [--protocols dynamicemb,fbgemm,fresh,replayed --states float32,int8]
@@ -289,9 +290,13 @@ def measure(w, optimizer, state, args, device, today):
         if stats is None:
             # Modelled: the forward reads each unique row's weight, the update
             # reads and writes its record.
-            row.update(hit_rate=None, bypassed_per_step=unique, records_on=None,
+            row.update(hit_rate=None, bypassed_per_step=unique, records_on=None, cache_rows_per_gib=None,
                        pcie_bytes_per_step=unique * (weight_bytes + 2 * record))
         else:
+            # The records as allocated (weight, state, 8-bit scales): how
+            # many rows a GiB of cache holds in this form.
+            row["cache_bytes_per_row"] = module._table.cache._record_bytes()
+            row["cache_rows_per_gib"] = 2**30 / row["cache_bytes_per_row"]
             moved = stats["fetched_bytes"] + stats["written_back_bytes"]
             row.update(hit_rate=stats["hits"] / max(stats["rows"], 1), bypassed_per_step=stats["bypassed"],
                        records_on=str(module._table.cache.device), record_bytes_moved_per_step=moved,
@@ -311,19 +316,21 @@ def print_table(w, rows):
           f"{n['unique_per_step']:,.0f} unique rows a step, D={w.dim}"
           + (f", sum bags of {w.bag_size}" if w.bag_size else "") + f"; {n}\n")
     print("| optimizer, state | cache (rows) | records in | ms/step median | mean | fwd / bwd / step ms | hit rate "
-          "| bypassed/step | PCIe MiB/step | minimum MiB/step | host waits/step |")
-    print("|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|")
+          "| bypassed/step | PCIe MiB/step | minimum MiB/step | host waits/step | cache rows/GiB |")
+    print("|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         cache = "none" if not r["cache"] else f"{r['cache']:g} ({r['cache_rows']:,})"
         p = r["phases_ms"]
         hit = "" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}"
         waits = "" if r["host_waits_per_step"] is None else f"{r['host_waits_per_step']:.2f}"
+        per_gib = "" if r["cache_rows_per_gib"] is None else f"{r['cache_rows_per_gib']:,.0f}"
         # Records in host memory (an optimizer that updates on the CPU moves
         # them there): the bytes are then host copies, not PCIe.
         print(f"| {r['optimizer']}, {r['state']} | {cache} | {r['records_on'] or ''} | {r['ms_per_step']:.2f} | "
               f"{r['mean_ms']:.2f} | "
               f"{p['forward']:.2f} / {p['backward']:.2f} / {p['step']:.2f} | {hit} | {r['bypassed_per_step']:,.0f} | "
-              f"{r['pcie_bytes_per_step'] / 2**20:,.1f} | {r['minimum_bytes_per_step'] / 2**20:,.1f} | {waits} |")
+              f"{r['pcie_bytes_per_step'] / 2**20:,.1f} | {r['minimum_bytes_per_step'] / 2**20:,.1f} | {waits} "
+              f"| {per_gib} |")
     if w.protocol == "dynamicemb":
         for fraction, figures in PUBLISHED.items():
             print(f"\nPublished on this protocol, cache {fraction:g}, H100, Adam (mean ms/step): "

@@ -84,6 +84,10 @@ def test_the_harness_writes_a_row_per_protocol_cache_and_state(tmp_path, monkeyp
     fresh, fresh8 = by["fresh", 1, "float32"], by["fresh", 1, "int8"]
     assert fresh["first_touch_per_step"] > 0 and 0 < fresh["hit_rate"] < 1
     assert fresh8["record_bytes"] < fresh["record_bytes"] == 3 * 128 * 4
+    # Rows a GiB of the cache's records as allocated: float32 + Adam 1,536
+    # bytes a row, 8-bit moments 4 x 128 + 2 x 128 + 2 scales = 776.
+    assert fresh["cache_rows_per_gib"] == 2**30 / 1536 and fresh8["cache_rows_per_gib"] == 2**30 / 776
+    assert by["fresh", 0, "float32"]["cache_rows_per_gib"] is None
     assert set(fresh["phases_ms"]) == {"forward", "backward", "step"}
 
 
