@@ -37,6 +37,22 @@ static int heb_cuda_cache_converter(PyObject *obj, void *out)
     return 1;
 }
 
+/* One array's records (a device address) and the registered HostBuffer of
+ * its host rows, checked against [num_rows, width] float32 words: their
+ * device addresses in *record and *rows. 0, or -1 with an exception. */
+static int heb_record_and_host(const char *record_name, const char *host_name, PyObject *record_obj,
+                               PyObject *host_obj, long long num_rows, long long width, void **record, void **rows)
+{
+    heb_address address = {record_name, NULL};
+    heb_buffer buffer = {host_name, NULL, 0, NULL, -1};
+    he_table table;
+    if (!heb_address_converter(record_obj, &address) || !heb_buffer_converter(host_obj, &buffer) ||
+        heb_device_rows(&buffer, num_rows, width, &table, rows) < 0)
+        return -1;
+    *record = address.ptr;
+    return 0;
+}
+
 /* records: a tuple of device addresses; host: a tuple of as many registered
  * HostBuffers of [num_rows, dim] float32 rows. 0, or -1 with an exception. */
 static int heb_cache_arrays(PyObject *records, PyObject *host, long long num_rows, long long dim,
@@ -52,16 +68,12 @@ static int heb_cache_arrays(PyObject *records, PyObject *host, long long num_row
     a->count = (int)PyTuple_GET_SIZE(records);
     a->dim = dim;
     for (int i = 0; i < a->count; i++) {
-        heb_address record = {"records[i]", NULL};
-        heb_buffer rows = {"host[i]", NULL, 0, NULL, -1};
-        he_table table;
-        void *device_rows;
-        if (!heb_address_converter(PyTuple_GET_ITEM(records, i), &record) ||
-            !heb_buffer_converter(PyTuple_GET_ITEM(host, i), &rows) ||
-            heb_device_rows(&rows, num_rows, dim, &table, &device_rows) < 0)
+        void *record, *rows;
+        if (heb_record_and_host("records[i]", "host[i]", PyTuple_GET_ITEM(records, i), PyTuple_GET_ITEM(host, i),
+                                num_rows, dim, &record, &rows) < 0)
             return -1;
-        a->records[i] = record.ptr;
-        a->host[i] = device_rows;
+        a->records[i] = record;
+        a->host[i] = rows;
     }
     return 0;
 }
@@ -277,15 +289,8 @@ static int heb_compact_arrays(PyObject *records, PyObject *host, long long num_r
             }
             continue;
         }
-        heb_address record = {names[i], NULL};
-        heb_buffer rows = {names[i], NULL, 0, NULL, -1};
-        he_table table;
-        void *device_rows;
-        if (!heb_address_converter(r, &record) || !heb_buffer_converter(h, &rows) ||
-            heb_device_rows(&rows, num_rows, words[i], &table, &device_rows) < 0)
+        if (heb_record_and_host(names[i], names[i], r, h, num_rows, words[i], &a->records[i], &a->host[i]) < 0)
             return -1;
-        a->records[i] = record.ptr;
-        a->host[i] = device_rows;
     }
     return 0;
 }

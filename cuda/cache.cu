@@ -472,6 +472,15 @@ __global__ void adam_cached(arrays_of<V> a, const uint32_t *__restrict__ entry, 
     }
 }
 
+static he_status check_adam(int64_t nnz, const he_adam_params *hp)
+{
+    if (nnz < 0)
+        return he_fail(HE_ERR_VALUE, "SparseAdam needs nnz >= 0, got %lld", (long long)nnz);
+    if (hp->step < 1)
+        return he_fail(HE_ERR_VALUE, "step must be >= 1, got %lld", (long long)hp->step);
+    return HE_OK;
+}
+
 extern "C" he_status he_cuda_cache_adam(const he_cuda_cache *c, const he_cuda_cache_arrays *a, const int64_t *indices,
                                         const float *values, int64_t nnz, const he_adam_params *hp, int device,
                                         void *stream_handle)
@@ -481,10 +490,9 @@ extern "C" he_status he_cuda_cache_adam(const he_cuda_cache *c, const he_cuda_ca
         st = check_cache(c);
     if (st != HE_OK)
         return st;
-    if (nnz < 0)
-        return he_fail(HE_ERR_VALUE, "SparseAdam needs nnz >= 0, got %lld", (long long)nnz);
-    if (hp->step < 1)
-        return he_fail(HE_ERR_VALUE, "step must be >= 1, got %lld", (long long)hp->step);
+    st = check_adam(nnz, hp);
+    if (st != HE_OK)
+        return st;
     if (nnz == 0 || a->dim == 0)
         return HE_OK;
     he_cuda_device_scope scope;
@@ -569,10 +577,9 @@ extern "C" he_status he_cuda_cache_adam_compact(const he_cuda_cache *c, const he
                        "bfloat16, int8 or uint8 (fourth root), got %lld, %s (%d) and %s (%d)",
                        (long long)a->dim, he_dtype_name(a->m_dtype), a->m_dtype, he_dtype_name(a->v_dtype),
                        a->v_dtype);
-    if (nnz < 0)
-        return he_fail(HE_ERR_VALUE, "SparseAdam needs nnz >= 0, got %lld", (long long)nnz);
-    if (hp->step < 1)
-        return he_fail(HE_ERR_VALUE, "step must be >= 1, got %lld", (long long)hp->step);
+    st = check_adam(nnz, hp);
+    if (st != HE_OK)
+        return st;
     if (nnz == 0 || a->dim == 0)
         return HE_OK;
     he_cuda_device_scope scope;

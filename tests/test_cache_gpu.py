@@ -121,33 +121,6 @@ def test_repeated_rows_of_several_lookups_are_summed_before_the_kernel(monkeypat
     _assert_same(pairs)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_hot_ids_through_a_small_gpu_cache_give_the_uncached_gpu_bits(fused):
-    """Most of each batch's rows bypass a 40-row cache, and the hottest id
-    comes more than 32 times a batch, so the GPU backward sums its rows in
-    chunks (cuda/grad_reduce.cu): the cache must give the uncached GPU
-    path's bits, which round differently from the CPU core's straight sums
-    (the tests above, with fewer repeats, compare with the CPU path)."""
-    torch.manual_seed(0)
-    plain = hostembed.Embedding(700, 16, device="cuda")
-    cached = hostembed.Embedding(700, 16, cache_rows=40, device="cuda")
-    with torch.no_grad():
-        cached.weight.copy_(plain.weight)
-    pairs = [(m, hostembed.SparseAdam(m.parameters(), lr=0.01, fused=fused)) for m in (plain, cached)]
-    gen = torch.Generator().manual_seed(0)
-    hottest = 0
-    for _ in range(4):
-        ids, grad = zipf_ids(700, 300, alpha=1.1, generator=gen), torch.randn(300, 16, generator=gen)
-        hottest = max(hottest, int(torch.bincount(ids).max()))
-        for module, opt in pairs:
-            module(ids.cuda()).backward(grad.cuda())
-            opt.step()
-            opt.zero_grad()
-    assert hottest > 32, "no id was hot enough for the chunked sums"
-    _assert_records_on_gpu(*pairs[1])
-    _assert_same(pairs)
-
-
 def _hot_id_pairs(make, dim, steps=4):
     """An uncached GPU-output table and one with a 40-row cache, trained
     alike by make(module)'s optimizer on Zipf ids hot enough that the GPU
@@ -169,6 +142,18 @@ def _hot_id_pairs(make, dim, steps=4):
             opt.zero_grad()
     assert hottest > 32, "no id was hot enough for the chunked sums"
     return pairs
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_hot_ids_through_a_small_gpu_cache_give_the_uncached_gpu_bits(fused):
+    """Most of each batch's rows bypass a 40-row cache, and the hottest id
+    comes more than 32 times a batch, so the GPU backward sums its rows in
+    chunks (cuda/grad_reduce.cu): the cache must give the uncached GPU
+    path's bits, which round differently from the CPU core's straight sums
+    (the tests above, with fewer repeats, compare with the CPU path)."""
+    pairs = _hot_id_pairs(lambda m: hostembed.SparseAdam(m.parameters(), lr=0.01, fused=fused), 16)
+    _assert_records_on_gpu(*pairs[1])
+    _assert_same(pairs)
 
 
 @pytest.mark.parametrize("form", ["Adagrad", "int8_rowwise"])

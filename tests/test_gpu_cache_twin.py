@@ -29,6 +29,24 @@ def _pair(rows, dim, gen):
     return tables, states
 
 
+def _train_alike(cache, tables, states, batches, gen, ahead, plans):
+    """SparseAdam on batches of unique rows: tables[0] uncached, tables[1]
+    through the cache (each batch planned at its lookup, or ahead, during
+    the step before; plans: batches planned already), its lookups checked
+    against the uncached rows."""
+    dim = tables[0].dim
+    for b, unique in enumerate(batches):
+        n = unique.numel()
+        plan = plans.pop(b) if b in plans else cache.plan_batch(unique, n)
+        assert torch.equal(cache.gather(plan, unique, n), tables[0].tensor[unique]), f"stale rows at step {b}"
+        if ahead and b + 1 < len(batches):
+            plans[b + 1] = cache.plan_batch(batches[b + 1], batches[b + 1].numel())
+        grad = torch.randn(n, dim, generator=gen)
+        _ops.sparse_update(_ops.ADAM, tables[0].tensor, states[0], unique, grad, step=b + 1, **HYPER)
+        cache.note_distinct(unique)
+        cache.update(_ops.ADAM, states[1], unique, grad, step=b + 1, **HYPER)
+
+
 @pytest.mark.parametrize("ahead", [False, True], ids=["planned-at-lookup", "planned-ahead"])
 @pytest.mark.parametrize("capacity", [1, 96, 3000])
 def test_training_through_the_twin_gives_the_uncached_bits(capacity, ahead):
@@ -40,17 +58,7 @@ def test_training_through_the_twin_gives_the_uncached_bits(capacity, ahead):
     for unique in batches[:3]:  # lookups before the first update: records hold rows only
         plan = cache.plan_batch(unique, unique.numel())
         assert torch.equal(cache.gather(plan, unique, unique.numel()), tables[0].tensor[unique])
-    plans = {0: cache.plan_batch(batches[0], batches[0].numel())}
-    for b, unique in enumerate(batches):
-        n = unique.numel()
-        plan = plans.pop(b) if b in plans else cache.plan_batch(unique, n)
-        assert torch.equal(cache.gather(plan, unique, n), tables[0].tensor[unique]), f"stale rows at step {b}"
-        if ahead and b + 1 < steps:
-            plans[b + 1] = cache.plan_batch(batches[b + 1], batches[b + 1].numel())
-        grad = torch.randn(n, dim, generator=gen)
-        _ops.sparse_update(_ops.ADAM, tables[0].tensor, states[0], unique, grad, step=b + 1, **HYPER)
-        cache.note_distinct(unique)
-        cache.update(_ops.ADAM, states[1], unique, grad, step=b + 1, **HYPER)
+    _train_alike(cache, tables, states, batches, gen, ahead, {0: cache.plan_batch(batches[0], batches[0].numel())})
     waits = cache.host_waits
     stats = cache.stats
     cache.flush()
@@ -99,17 +107,7 @@ def test_compact_moments_in_the_twins_records_give_the_uncached_bits(form, dim, 
     states = _compact_states(tables, form)
     cache = tables[1].cache = GpuRowCache(tables[1], capacity, device="cpu")
     batches = [_skewed_batch(gen, rows, 200) for _ in range(steps)]
-    plans = {}
-    for b, unique in enumerate(batches):
-        n = unique.numel()
-        plan = plans.pop(b) if b in plans else cache.plan_batch(unique, n)
-        assert torch.equal(cache.gather(plan, unique, n), tables[0].tensor[unique]), f"stale rows at step {b}"
-        if ahead and b + 1 < steps:
-            plans[b + 1] = cache.plan_batch(batches[b + 1], batches[b + 1].numel())
-        grad = torch.randn(n, dim, generator=gen)
-        _ops.sparse_update(_ops.ADAM, tables[0].tensor, states[0], unique, grad, step=b + 1, **HYPER)
-        cache.note_distinct(unique)
-        cache.update(_ops.ADAM, states[1], unique, grad, step=b + 1, **HYPER)
+    _train_alike(cache, tables, states, batches, gen, ahead, {})
     assert tables[1].cache is cache  # not moved to host records
     keys = {"exp_avg", "exp_avg_sq"} | ({"exp_avg_scale", "exp_avg_sq_scale"} if form == "int8" else set())
     assert keys <= set(cache.cached)
