@@ -514,48 +514,8 @@ extern "C" he_status he_cuda_cache_adam(const he_cuda_cache *c, const he_cuda_ca
     return HE_OK;
 }
 
-/* adam_cached on compact moments: a warp a (row, block of
- * HE_CUDA_Q8_BLOCK columns), the CPU's unit, lane l holding columns l,
- * l + 32, ... of it in registers, so that an 8-bit moment's block is
- * requantized whole from its new values with one warp reduction. */
-__global__ void adam_compact_cached(he_cuda_cache_compact a, const uint32_t *__restrict__ entry, int64_t blocks,
-                                    const int64_t *__restrict__ indices, const float *__restrict__ values,
-                                    int64_t items, he_adam_consts hc)
-{
-    int lane = threadIdx.x & (HE_CUDA_WARP - 1);
-    int64_t warps = he_thread_count() / HE_CUDA_WARP;
-    /* i is the same for the whole warp: every lane reaches the reduction. */
-    for (int64_t i = he_thread_index() / HE_CUDA_WARP; i < items; i += warps) {
-        int64_t k = i / blocks, block = i - k * blocks, row = indices[k], col = block * HE_CUDA_Q8_BLOCK;
-        int n = (int)(a.dim - col < HE_CUDA_Q8_BLOCK ? a.dim - col : HE_CUDA_Q8_BLOCK);
-        uint32_t s1 = he_cache_entry_slot1(entry[row]);
-        char *base[HE_CUDA_COMPACT_ARRAYS];
-#pragma unroll
-        for (int x = 0; x < HE_CUDA_COMPACT_ARRAYS; x++)
-            base[x] = (char *)(s1 ? a.records[x] : a.host[x]);
-        int64_t r = s1 ? (int64_t)(s1 - 1) : row, at = r * a.dim + col;
-        float *w = (float *)base[0] + at;
-        char *mc = base[1] + at * (a.m_dtype == HE_BF16 ? 2 : 1), *vc = base[2] + at * (a.v_dtype == HE_BF16 ? 2 : 1);
-        /* A bfloat16 moment has no scales (its pointer is NULL, never offset). */
-        float *ms = a.m_dtype != HE_BF16 ? (float *)base[3] + r * blocks + block : NULL;
-        float *vs = a.v_dtype != HE_BF16 ? (float *)base[4] + r * blocks + block : NULL;
-        const float *g = values + k * a.dim + col;
-        float m[HE_CUDA_Q8_PER_LANE], v[HE_CUDA_Q8_PER_LANE];
-        he_compact_load(a.m_dtype, mc, ms, lane, n, m);
-        he_compact_load(a.v_dtype, vc, vs, lane, n, v);
-#pragma unroll
-        for (int j = 0; j < HE_CUDA_Q8_PER_LANE; j++) {
-            int c = lane + j * HE_CUDA_WARP;
-            if (c < n) {
-                float wv = w[c];
-                he_adam_element(g[c], wv, m[j], v[j], hc);
-                w[c] = wv;
-            }
-        }
-        he_compact_store(a.m_dtype, mc, ms, lane, n, m);
-        he_compact_store(a.v_dtype, vc, vs, lane, n, v);
-    }
-}
+/* The compact kernel, adam_compact_cached, is in he_cuda_compact.cuh, where
+ * a CI test runs it on the host (tests/test_compact_kernel_twin.py). */
 
 /* exp_avg may be int8, never the fourth root (it takes negative values);
  * exp_avg_sq either: the 8-bit forms the CPU core allows them. */
