@@ -104,23 +104,24 @@ class HostTwinState:
         return torch.where((slot >= 0).unsqueeze(1), records[slot.clamp(min=0)], host[unique[:n]])
 
     def adam(self, records, hosts, indices, values, **hyper):
-        slots = self.planner.slots_of(indices).long()
-        cached = slots >= 0
-        update_ops.update_rows(update_ops.ADAM, self.record_table,
-                               {"exp_avg": records[1], "exp_avg_sq": records[2]}, slots[cached], values[cached],
-                               **hyper)
-        update_ops.update_rows(update_ops.ADAM, self.table, {"exp_avg": hosts[1], "exp_avg_sq": hosts[2]},
-                               indices[~cached], values[~cached], **hyper)
+        self._adam(lambda arrays: {"exp_avg": arrays[1], "exp_avg_sq": arrays[2]}, records, hosts, indices, values,
+                   **hyper)
 
     def adam_compact(self, records, hosts, forms, indices, values, **hyper):
         """adam's, with compact moments (GpuCacheState.adam_compact's
-        arrays): the core's update of records and host rows."""
+        arrays)."""
+        self._adam(_compact_state, records, hosts, indices, values, **hyper)
+
+    def _adam(self, state_of, records, hosts, indices, values, **hyper):
+        """The core's update of each row where it is now: its slot's
+        records, or its host row; state_of(arrays) is update_ops' state
+        over weight, moments (and scales)."""
         slots = self.planner.slots_of(indices).long()
         cached = slots >= 0
-        update_ops.update_rows(update_ops.ADAM, self.record_table, _compact_state(records), slots[cached],
-                               values[cached], **hyper)
-        update_ops.update_rows(update_ops.ADAM, self.table, _compact_state(hosts), indices[~cached],
-                               values[~cached], **hyper)
+        update_ops.update_rows(update_ops.ADAM, self.record_table, state_of(records), slots[cached], values[cached],
+                               **hyper)
+        update_ops.update_rows(update_ops.ADAM, self.table, state_of(hosts), indices[~cached], values[~cached],
+                               **hyper)
 
     def sync_records(self, records, hosts, dim, *, to_host):
         slots = (self.row_of >= 0).nonzero().view(-1)

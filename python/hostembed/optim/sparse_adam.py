@@ -332,9 +332,7 @@ class SparseAdam(torch.optim.SparseAdam):
             # accumulated them (or the rows a shared table's exchange gave);
             # the core (or a cache) sums repeated rows in that order. A
             # cache in GPU memory takes GPU sums as they are.
-            on_gpu = table.cache is not None and table.cache.device.type == "cuda" and \
-                all(isinstance(g, _fused.GpuGradient) and g.values.device == table.cache.device for g in gradients)
-            parts = [g.wait() if on_gpu else update_ops.reduce_to_host(table, g) for g in gradients]
+            parts = _gradient_parts(table, gradients)
             indices, values = torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
             update_ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
             self._last_update = "cpu" if table.cache is None else "cache"
@@ -366,10 +364,7 @@ class SparseAdam(torch.optim.SparseAdam):
         if len(gradients) == 1 and isinstance(gradients[0], _fused.CpuGradient):
             update_ops.sparse_update_fused(self._kind, p, core_state, gradients[0], **hyper)
         else:
-            # A cache in GPU memory takes GPU sums as they are (as _fused_update).
-            on_gpu = table.cache is not None and table.cache.device.type == "cuda" and \
-                all(isinstance(g, _fused.GpuGradient) and g.values.device == table.cache.device for g in gradients)
-            parts = [g.wait() if on_gpu else update_ops.reduce_to_host(table, g) for g in gradients]
+            parts = _gradient_parts(table, gradients)
             # One lookup's sums as they are: the cache knows them distinct
             # (note_distinct), a copy it would check on the host.
             indices, values = parts[0] if len(parts) == 1 else \
@@ -658,3 +653,12 @@ class LoadPlan:
             self.optimizer.state[params[moment.saved_id]][moment.key] = moment.destination
         for saved_id, state in self.converted_state.items():
             self.optimizer.state[params[saved_id]].update(state)
+
+
+def _gradient_parts(table, gradients):
+    """A backward pass's lookup gradients of `table` as (indices, values)
+    each: as they are where a cache in GPU memory takes them (GPU sums on
+    its device), else reduced on the host as unfused backward would."""
+    on_gpu = table.cache is not None and table.cache.device.type == "cuda" and \
+        all(isinstance(g, _fused.GpuGradient) and g.values.device == table.cache.device for g in gradients)
+    return [g.wait() if on_gpu else update_ops.reduce_to_host(table, g) for g in gradients]
