@@ -1,28 +1,46 @@
 """Where a host table pays in a language model: the training step and the
 memory of a small decoder-only model whose token table is torch's
-nn.Embedding or hostembed's (the plain swap), tied to the output projection
-(GPT-2, Gemma) or not (Llama), for vocabularies of 50,257 and 256,000 rows.
+nn.Embedding or hostembed's, tied to the output projection (GPT-2, Gemma)
+or not (Llama), for vocabularies of 50,257 and 256,000 rows, on the CPU or
+with the model on a GPU (--device cuda: hostembed's table stays in host
+memory, its rows land on the GPU).
 
 The model: token table [V, H] -> two torch TransformerEncoderLayers (causal
 mask, H wide, 4H MLP) -> output projection [H, V] (the token table's weight
-when tied), cross-entropy on the next token; torch.optim.AdamW on every
-parameter (the script's optimizer kept, as after a plain swap); --tokens
-ids a step. Contenders alternate in rounds, medians. Reported per model: ms
-a step and the ratio to torch's in the same run, and the bytes the token
-table holds after a step: its weight, its gradient (dense, or the
-row-sparse rows and ids) and AdamW's state for it, counted from the
-tensors.
+when tied), cross-entropy on the next token; --tokens ids a step. The
+contenders, each beside its own reference:
+  torch             nn.Embedding, torch.optim.AdamW on every parameter
+  hostembed         the plain swap: hostembed.Embedding, the same AdamW
+                    (every row of the table steps every step, as torch's
+                    dense AdamW does, in the core: no dense gradient)
+and, untied only (a tied projection's gradient is dense):
+  torch_sparse      nn.Embedding(sparse=True) with torch.optim.SparseAdam
+                    for the table, AdamW for the rest
+  hostembed_sparse  hostembed.Embedding with hostembed.SparseAdam for the
+                    table (only the rows a step looks up move), AdamW for
+                    the rest
+Each pair is checked to train to the same losses before anything is timed.
+Contenders alternate in rounds, medians. Reported per model and
+contender: ms a step and the ratio to torch's in the same run; with a GPU,
+the GPU memory the contender holds after a step and its peak during one
+(torch.cuda's allocator counts, each contender built and stepped alone
+first); and the bytes the token table holds after a step: its weight, its
+gradient (dense, or the row-sparse rows and ids) and its optimizer's state,
+counted from the tensors, with where they live.
 
 What it shows on a CPU: untied, torch's table gets a dense [V, H] gradient
 and AdamW's dense step every step; hostembed's gets a row-sparse one and the
 core's dense Adam pass, no gradient buffer. Tied, the output projection's
-gradient is dense anyway, so both run dense AdamW. On a GPU the question is
-memory: the table, its gradient and AdamW's two moments (16 bytes a
-parameter) leave GPU memory with a host table.
+gradient is dense anyway, so both run dense AdamW. On a GPU: the table, its
+gradient and its optimizer's two moments (16 bytes a parameter) leave GPU
+memory with a host table; the step then pays for the rows crossing PCIe,
+and, with AdamW kept, for a pass over every row of the table in host
+memory each step.
 
-Usage: python benchmarks/lm_step.py [--vocabs 50257,256000 --hidden 256 --tokens 2048]
+Usage: python benchmarks/lm_step.py [--vocabs 50257,256000 --hidden 256 --tokens 2048 --device cuda]
 """
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -48,7 +66,7 @@ class TinyLM(nn.Module):
 
     def forward(self, ids):
         x = self.tokens(ids)
-        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
         for block in self.blocks:
             x = block(x, src_mask=mask, is_causal=True)
         logits = self.head(x[:, :-1])
@@ -63,33 +81,59 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=2048, help="ids a step (sequences of 128)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the model runs (hostembed's table stays in host memory)")
     p.add_argument("--json", default=os.path.join(RESULTS_DIR, "lm_step.json"))
     args = p.parse_args(argv)
     args.vocabs = [int(v) for v in args.vocabs.split(",") if v]
+    args.device = torch.device(args.device)
     return args
 
 
-def build(vocab, hidden, tied, host, seed=0):
+# Contenders that must train to each other's losses: (reference, hostembed).
+PAIRS = (("torch", "hostembed"), ("torch_sparse", "hostembed_sparse"))
+LR = 1e-3
+
+
+def contenders_of(tied):
+    """A tied projection's gradient is dense: no sparse contenders then."""
+    return [name for pair in PAIRS[:1 if tied else 2] for name in pair]
+
+
+def build(name, vocab, hidden, tied, device, seed=0):
+    """The model of contender `name` on `device` and its optimizers."""
     torch.manual_seed(seed)
-    model = TinyLM(vocab, hidden, tied, hostembed.Embedding if host else nn.Embedding)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    table_cls = {"torch": nn.Embedding, "torch_sparse": functools.partial(nn.Embedding, sparse=True)}.get(
+        name, hostembed.Embedding)
+    model = TinyLM(vocab, hidden, tied, table_cls).to(device)
+    if not name.endswith("_sparse"):
+        return model, [torch.optim.AdamW(model.parameters(), lr=LR)]
+    table = model.tokens.weight
+    rest = [p for p in model.parameters() if p is not table]
+    sparse_adam = torch.optim.SparseAdam if name == "torch_sparse" else hostembed.SparseAdam
+    return model, [sparse_adam([table], lr=LR), torch.optim.AdamW(rest, lr=LR)]
 
 
-def batches(vocab, tokens, count, seed=1):
+def batches(vocab, tokens, count, device, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (max(1, tokens // 128), 128), generator=g) for _ in range(count)]
+    return [torch.randint(0, vocab, (max(1, tokens // 128), 128), generator=g).to(device) for _ in range(count)]
 
 
-def step(model, opt, ids):
-    opt.zero_grad()
+def step(model, opts, ids):
+    for opt in opts:
+        opt.zero_grad()
     loss = model(ids)
     loss.backward()
-    opt.step()
+    for opt in opts:
+        opt.step()
+    if ids.is_cuda:
+        torch.cuda.synchronize(ids.device)
     return loss.item()
 
 
-def table_bytes(model, opt):
-    """Bytes of the token table's weight, gradient and optimizer state."""
+def table_bytes(model, opts):
+    """Bytes of the token table's weight, gradient and optimizer state, and
+    the device they are on."""
     p = model.tokens.weight
     grad = p.grad
     if grad is None:
@@ -98,8 +142,25 @@ def table_bytes(model, opt):
         grad_bytes = grad._values().nbytes + grad._indices().nbytes
     else:
         grad_bytes = grad.nbytes
-    state = sum(t.nbytes for t in opt.state[p].values() if isinstance(t, torch.Tensor))
-    return {"weight": p.nbytes, "grad": grad_bytes, "state": state}
+    state = sum(t.nbytes for opt in opts for t in opt.state.get(p, {}).values() if isinstance(t, torch.Tensor))
+    return {"weight": p.nbytes, "grad": grad_bytes, "state": state, "device": str(p.device)}
+
+
+def build_and_warm(name, vocab, hidden, tied, data, args):
+    """Contender `name` built and stepped through the warm-up batches, with
+    the GPU memory it holds after a step and its peak (None on a CPU)."""
+    cuda = args.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(args.device)
+        base = torch.cuda.memory_allocated(args.device)
+        torch.cuda.reset_peak_memory_stats(args.device)
+    model, opts = build(name, vocab, hidden, tied, args.device)
+    losses = [step(model, opts, b) for b in data[:args.warmup]]
+    gpu = None
+    if cuda:
+        gpu = {"held": torch.cuda.memory_allocated(args.device) - base,
+               "peak": torch.cuda.max_memory_allocated(args.device) - base}
+    return model, opts, losses, gpu
 
 
 def main(argv=None):
@@ -107,44 +168,53 @@ def main(argv=None):
     rows = []
     for vocab in args.vocabs:
         for tied in (True, False):
-            contenders = {name: build(vocab, args.hidden, tied, name == "hostembed") for name in ("torch", "hostembed")}
-            data = batches(vocab, args.tokens, args.warmup + args.rounds)
-            losses = {}
-            for name, (model, opt) in contenders.items():
-                losses[name] = [step(model, opt, b) for b in data[:args.warmup]]
-            if abs(losses["torch"][-1] - losses["hostembed"][-1]) > 1e-4 * abs(losses["torch"][-1]):
-                sys.exit(f"CORRECTNESS CHECK FAILED: vocab {vocab}, tied {tied}: losses {losses}")
+            names = contenders_of(tied)
+            data = batches(vocab, args.tokens, args.warmup + args.rounds, args.device)
+            contenders, losses, gpu = {}, {}, {}
+            for name in names:
+                model, opts, losses[name], gpu[name] = build_and_warm(name, vocab, args.hidden, tied, data, args)
+                contenders[name] = (model, opts)
+            for reference, ours in PAIRS:
+                if ours in losses and abs(losses[reference][-1] - losses[ours][-1]) > 1e-4 * abs(losses[reference][-1]):
+                    sys.exit(f"CORRECTNESS CHECK FAILED: vocab {vocab}, tied {tied}: {reference} {losses[reference]}, "
+                             f"{ours} {losses[ours]}")
             seconds = {name: [] for name in contenders}
             for r, ids in enumerate(data[args.warmup:]):
-                order = list(contenders) if r % 2 else list(contenders)[::-1]
+                order = names if r % 2 else names[::-1]
                 for name in order:
-                    model, opt = contenders[name]
+                    model, opts = contenders[name]
                     t0 = time.perf_counter()
-                    step(model, opt, ids)
+                    step(model, opts, ids)
                     seconds[name].append(time.perf_counter() - t0)
-            held = {name: table_bytes(model, opt) for name, (model, opt) in contenders.items()}
+            held = {name: table_bytes(model, opts) for name, (model, opts) in contenders.items()}
             del contenders
             ms = {k: statistics.median(v) * 1e3 for k, v in seconds.items()}
             row = {"vocab": vocab, "hidden": args.hidden, "tied": tied, "tokens": args.tokens,
-                   "ms_per_step": ms, "hostembed_speed_vs_torch": ms["torch"] / ms["hostembed"],
-                   "table_bytes": held}
+                   "device": str(args.device), "ms_per_step": ms,
+                   "speed_vs_torch": {k: ms["torch"] / v for k, v in ms.items()},
+                   "hostembed_speed_vs_torch": ms["torch"] / ms["hostembed"],
+                   "gpu_bytes": gpu if args.device.type == "cuda" else None, "table_bytes": held}
             rows.append(row)
-            log(f"vocab {vocab:,}, {'tied' if tied else 'untied'}: torch {ms['torch']:.1f} ms, hostembed "
-                f"{ms['hostembed']:.1f} ms")
-    print(f"\n## A small language model's training step (2 layers, H={args.hidden}, {args.tokens:,} tokens a step, "
-          "torch.optim.AdamW kept), torch's nn.Embedding against the plain swap\n")
-    print("| vocabulary | tie | torch ms/step | hostembed ms/step | speed vs torch | table + grad + state, torch "
-          "| hostembed |")
-    print("|---:|---|---:|---:|---:|---|---|")
+            log(f"vocab {vocab:,}, {'tied' if tied else 'untied'}: "
+                + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()))
+    print(f"\n## A small language model's training step ({args.device.type}; 2 layers, H={args.hidden}, "
+          f"{args.tokens:,} tokens a step), torch's nn.Embedding against hostembed's\n")
+    print("| vocabulary | tie | contender | ms/step | speed vs torch | GPU MiB held after a step / peak "
+          "| table weight + grad + state (where) |")
+    print("|---:|---|---|---:|---:|---:|---|")
 
-    def held(b):
-        return f"{b['weight'] / 2**20:,.0f} + {b['grad'] / 2**20:,.1f} + {b['state'] / 2**20:,.0f} MiB"
+    def mib(n):
+        return f"{n / 2**20:,.1f}"
 
     for r in rows:
-        print(f"| {r['vocab']:,} | {'tied' if r['tied'] else 'untied'} | {r['ms_per_step']['torch']:.1f} | "
-              f"{r['ms_per_step']['hostembed']:.1f} | {r['hostembed_speed_vs_torch']:.2f}x | "
-              f"{held(r['table_bytes']['torch'])} | {held(r['table_bytes']['hostembed'])} |")
-    write_json(args.json, {"machine": machine_info(), "args": {k: v for k, v in vars(args).items() if k != "json"},
+        for name, ms in r["ms_per_step"].items():
+            b, g = r["table_bytes"][name], (r["gpu_bytes"] or {}).get(name)
+            memory = f"{mib(g['held'])} / {mib(g['peak'])}" if g else "-"
+            print(f"| {r['vocab']:,} | {'tied' if r['tied'] else 'untied'} | {name} | {ms:.1f} | "
+                  f"{r['speed_vs_torch'][name]:.2f}x | {memory} | {mib(b['weight'])} + {mib(b['grad'])} + "
+                  f"{mib(b['state'])} MiB ({b['device']}) |")
+    write_json(args.json, {"machine": machine_info(), "args": {k: str(v) if k == "device" else v
+                                                               for k, v in vars(args).items() if k != "json"},
                            "rows": rows})
     return rows
 

@@ -671,6 +671,29 @@ def test_torch_sparse_adam_steps_on_the_cpu_gradient():
     torch.testing.assert_close(ours.weight, ref.weight.detach().cpu(), rtol=1e-6, atol=1e-7)
 
 
+def test_torch_adamw_after_a_plain_swap_steps_a_table_with_gpu_outputs_like_torch():
+    # A language model moved to the GPU keeps torch's AdamW over every
+    # parameter: the host table's part is the core's dense pass, the
+    # rest torch's on the GPU (benchmarks/lm_step.py --device cuda).
+    ref, ours = gpu_pair(500, 16)
+    head = torch.nn.Linear(16, 3).cuda()
+    ref_head = torch.nn.Linear(16, 3).cuda()
+    ref_head.load_state_dict(head.state_dict())
+    opt = torch.optim.AdamW([*ours.parameters(), *head.parameters()], lr=0.05)
+    ref_opt = torch.optim.AdamW([*ref.parameters(), *ref_head.parameters()], lr=0.05)
+    for _ in range(3):
+        ids = torch.randint(0, 500, (64,), device="cuda")
+        for emb, lin, o in ((ours, head, opt), (ref, ref_head, ref_opt)):
+            o.zero_grad()
+            lin(emb(ids)).square().mean().backward()
+            o.step()
+        assert_kernel_path(ours)
+    # torch's dense step on the GPU and the core's on the CPU: float32
+    # rounding apart, every row (those no batch touched decay too).
+    torch.testing.assert_close(ours.weight, ref.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head.weight, ref_head.weight, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("update", ["gpu", "cpu"])
 def test_work_on_a_side_stream(update):
     ref, ours = gpu_pair(300, 32, sparse=True)
