@@ -239,6 +239,11 @@ if (( BUILT )); then
         FAILED=1
     fi
     run profile 150 "$PY" benchmarks/gpu_profile.py --prefetch --setups "fused,cache 1.0,cache 0.2"
+    # Where FBGEMM's row-wise Adagrad spends its step with GPU outputs (70.8
+    # ms uncached on the H100, 2026-11-28; Adam 9.1): no GPU update, its
+    # sums copied to the host.
+    run profile_rowwise 90 "$PY" benchmarks/gpu_profile.py --optimizer rowwise_adagrad --setups "fused,cache 1.0" \
+        --steps 2
     run compare 200 "$PY" benchmarks/compare.py --cache-fraction "${CACHE_FRACTION:-1}" --out "$OUT/compare"
     # shellcheck disable=SC2086  # GPU_ARGS is a list of words
     run benchmark 330 "$PY" benchmarks/gpu.py --rows "$ROWS" --json "$OUT/gpu.json" ${GPU_ARGS:-}

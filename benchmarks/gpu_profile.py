@@ -6,7 +6,10 @@ self CUDA time, with forward / backward / step() marked.
 Set-ups, in this order (the fused ones last: once made, the fused
 optimizer updates the table in backward): no cache with the update on the
 GPU, on the CPU; fused (in backward); the row cache (fused) at 100% and
-20% of the touched rows.
+20% of the touched rows. With --optimizer rowwise_adagrad (which has no
+GPU update: its gradients are summed on the GPU and copied to the host,
+and a row cache's records move to host memory), the set-ups fused and
+cache only.
 
 Usage (on a machine with a GPU):
     python benchmarks/gpu_profile.py [--rows 20000000 --batch 1048570 --steps 4]
@@ -38,7 +41,11 @@ def parse_args(argv=None):
     p.add_argument("--top", type=int, default=14, help="rows of each table")
     p.add_argument("--setups", default=",".join(SETUPS))
     p.add_argument("--prefetch", action="store_true", help="with a cache, plan each batch a step ahead")
-    return p.parse_args(argv)
+    p.add_argument("--optimizer", choices=("sparse_adam", "rowwise_adagrad"), default="sparse_adam")
+    args = p.parse_args(argv)
+    if args.optimizer == "rowwise_adagrad" and {"gpu", "cpu"} & set(args.setups.split(",")):
+        p.error("--optimizer rowwise_adagrad: set-ups fused and cache ... only (it has no GPU update to choose)")
+    return args
 
 
 def main(argv=None):
@@ -52,14 +59,16 @@ def main(argv=None):
     touched = int(torch.unique(torch.cat(batches)).numel())
     grad_out = torch.randn(args.batch, args.dim, device=device)
     emb = hostembed.Embedding(args.rows, args.dim, device=device, _weight=UNINITIALISED)
-    unfused = hostembed.SparseAdam(emb.parameters(), lr=1e-3)
+    unfused = hostembed.SparseAdam(emb.parameters(), lr=1e-3) if args.optimizer == "sparse_adam" else None
     fused = None  # made at its first use: from then on it updates the table in backward
     for setup in args.setups.split(","):
         if setup in ("gpu", "cpu"):
             opt = unfused
             opt.update = setup
         else:
-            if fused is None:
+            if fused is None and unfused is None:
+                fused = hostembed.RowWiseAdagrad(emb.parameters(), lr=1e-3, eps=1e-8, fused=True)
+            elif fused is None:
                 fused = hostembed.SparseAdam(emb.parameters(), lr=1e-3, update="gpu", fused=True)
                 fused.state = unfused.state  # one set of moments: a second would pin another 2 x table
             opt = fused
@@ -86,8 +95,8 @@ def main(argv=None):
                 step(i, marks=True)
             torch.cuda.synchronize()
         averages = prof.key_averages()
-        print(f"\n## {setup}: {args.steps} steps, {args.rows:,} rows, {args.batch:,} lookups, "
-              f"last update on the {opt._last_update}\n")
+        print(f"\n## {setup} ({args.optimizer}): {args.steps} steps, {args.rows:,} rows, {args.batch:,} lookups, "
+              f"last update on the {getattr(opt, '_last_update', None)}\n")
         for key in ("self_cpu_time_total", "self_device_time_total"):
             print(averages.table(sort_by=key, row_limit=args.top, max_name_column_width=60))
         log(f"profiled {setup}")
