@@ -225,9 +225,7 @@ def _exchange_fused(bounds, group, table, gradients):
     (weight.grad's rows), concatenated in the order autograd would have
     accumulated them, then exchanged as _exchange_gradient exchanges
     weight.grad."""
-    parts = [update_ops.reduce_to_host(table, g) for g in gradients]
-    indices, values = parts[0] if len(parts) == 1 else (torch.cat([i for i, _ in parts]),
-                                                         torch.cat([v for _, v in parts]))
+    indices, values = update_ops.joined([update_ops.reduce_to_host(table, g) for g in gradients])
     return RowGradient(*_exchange_rows(indices, values, bounds, group))
 
 

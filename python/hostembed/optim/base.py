@@ -214,8 +214,7 @@ class HostStep:
                 # sums copied to the host: these optimizers update on the
                 # CPU), or a shared table's rows after the exchange.
                 parts = [update_ops.reduce_to_host(table, g) for g in gradients]
-                self._host_update(p, table, group, torch.cat([i for i, _ in parts]),
-                                  torch.cat([v for _, v in parts]))
+                self._host_update(p, table, group, *update_ops.joined(parts))
         update_ops.sparse_update_fused_many([update for _, _, update in batch])
         for p, record, _ in batch:
             if record:

@@ -332,8 +332,7 @@ class SparseAdam(torch.optim.SparseAdam):
             # accumulated them (or the rows a shared table's exchange gave);
             # the core (or a cache) sums repeated rows in that order. A
             # cache in GPU memory takes GPU sums as they are.
-            parts = _gradient_parts(table, gradients)
-            indices, values = torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
+            indices, values = update_ops.joined(_gradient_parts(table, gradients))
             update_ops.adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
             self._last_update = "cpu" if table.cache is None else "cache"
         elif isinstance(gradients[0], _fused.CpuGradient):
@@ -351,7 +350,7 @@ class SparseAdam(torch.optim.SparseAdam):
                 gpu_ops.gpu_adam_update(p, exp_avg, exp_avg_sq, indices, values, **hyper)
                 self._last_update = "gpu"
             else:
-                update_ops.adam_update(p, exp_avg, exp_avg_sq, indices.cpu(), values.cpu(), **hyper)
+                update_ops.adam_update(p, exp_avg, exp_avg_sq, *update_ops.host_copies(indices, values), **hyper)
                 self._last_update = "cpu"
         self.state[p].update(step=step + 1, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
 
@@ -364,11 +363,9 @@ class SparseAdam(torch.optim.SparseAdam):
         if len(gradients) == 1 and isinstance(gradients[0], _fused.CpuGradient):
             update_ops.sparse_update_fused(self._kind, p, core_state, gradients[0], **hyper)
         else:
-            parts = _gradient_parts(table, gradients)
-            # One lookup's sums as they are: the cache knows them distinct
-            # (note_distinct), a copy it would check on the host.
-            indices, values = parts[0] if len(parts) == 1 else \
-                (torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
+            # One lookup's sums as they are (joined): the cache knows them
+            # distinct (note_distinct), a copy it would check on the host.
+            indices, values = update_ops.joined(_gradient_parts(table, gradients))
             update_ops.sparse_update(self._kind, p, core_state, indices, values, **hyper)
         self._last_update = "cpu" if table.cache is None else "cache"
         self.state[p].update(state, step=step + 1)

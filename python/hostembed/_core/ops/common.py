@@ -142,6 +142,38 @@ def scratch(*shape: int, dtype=torch.float32) -> Tensor:
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
+def host_copies(*tensors: Tensor) -> list:
+    """The tensors on the CPU: GPU ones copied into pinned staging from
+    torch's caching host allocator (a per-step buffer reused step after
+    step, which a plain .cpu() is not: it mallocs pageable memory each
+    step, faults it in, and the driver stages the copy through pinned
+    memory of its own), the host waiting for the copies on the current
+    stream. Staging for the table itself is never made this way
+    (pin_memory() rounds up to a power of two); a per-step gradient's
+    rounding costs at most its own size again."""
+    if not any(t.is_cuda for t in tensors):
+        return list(tensors)
+    out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if t.is_cuda else t for t in tensors]
+    device = next(t.device for t in tensors if t.is_cuda)
+    with torch.cuda.device(device):
+        for source, target in zip(tensors, out):
+            if source.is_cuda and source.numel():
+                target.copy_(source, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
+    return out
+
+
+def joined(parts) -> tuple:
+    """(indices, values) of several (indices, values) parts, concatenated
+    in order; one part as it is (a copy of a whole gradient saves
+    nothing)."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
+
+
 def weight_grad(indices: Tensor, values: Tensor, num_rows: int, dim: int, sparse: bool, dtype=None) -> Tensor:
     """The table's gradient from its reduced rows, in the table's dtype
     (values are rounded to a half table's dtype once, after the sum):

@@ -31,7 +31,7 @@ from torch import Tensor
 from .. import _C
 from .. import fused as _fused
 from ..table import dtype_name, host_table_of, table_by_handle
-from .common import CUDA_COMPILED, address, custom_op, eager_autograd, float_rows, ids_args, weight_grad
+from .common import CUDA_COMPILED, address, custom_op, eager_autograd, float_rows, host_copies, ids_args, weight_grad
 from .update import check_state, row_gradient
 
 
@@ -142,23 +142,8 @@ def gpu_grad_reduce(table_handle: int, grad: Tensor, unique: Tensor, offsets: Te
     backward after any in-place change of the table (an optimizer step)."""
     need_cuda("a GPU backward")
     table = table_by_handle(table_handle, "a GPU backward")
-    device, dim = unique.device, table.dim
     indices, values = gpu_reduce(table, grad, unique, offsets, order, inverse, info, scale_grad_by_freq)
-    kept = indices.numel()
-    with torch.cuda.device(device):
-        stream = torch.cuda.current_stream(device)
-        # Pinned staging from torch's caching host allocator: a per-step
-        # buffer reused step after step, unlike the table, for which
-        # pin_memory() is never used. Its power-of-two rounding costs at
-        # most one extra gradient's worth of pinned memory.
-        indices_cpu = torch.empty(kept, dtype=torch.int64, pin_memory=True)
-        values_cpu = torch.empty(kept, dim, dtype=torch.float32, pin_memory=True)
-        if kept:
-            indices_cpu.copy_(indices, non_blocking=True)
-            values_cpu.copy_(values, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-            done.synchronize()
+    indices_cpu, values_cpu = host_copies(indices, values)
     table.grad_twin = GradTwin(indices, values, indices_cpu, values_cpu, table.num_rows) if table.twin_wanted \
         else None
     return indices_cpu, values_cpu

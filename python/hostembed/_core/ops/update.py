@@ -10,7 +10,8 @@ from torch import Tensor
 from .. import _C
 from .. import fused as _fused
 from ..table import DTYPE_CODES, STATE_CODES, dtype_name, host_table_of
-from .common import address, cpu_ids_args, custom_op, holding
+# joined: for the optimizers, which call the ops through this module.
+from .common import address, cpu_ids_args, custom_op, holding, host_copies, joined  # noqa: F401
 from .cpu import gradient_rows, leaves_positions, position_rows, reduce_rows
 
 
@@ -252,8 +253,7 @@ def reduce_to_host(table, gradient):
                                        gradient.scale_grad_by_freq, gradient.dedup, gradient.bags, rounded=True)
         # Rounded to the table's dtype, as each lookup's weight.grad is.
         return indices, values.to(table.dtype)
-    indices, values = gradient.wait()
-    return indices.cpu(), values.cpu()
+    return tuple(host_copies(*gradient.wait()))
 
 
 def check_state(table, *state):
