@@ -108,6 +108,39 @@ def test_other_table_dtypes_train_bit_identically(dtype):
     _assert_same_training_state(pairs)
 
 
+def test_outputs_and_moved_rows_in_recycled_memory_stay_valid_while_kept():
+    # A cached lookup's rows, its output and the records it moves are
+    # copies in recycled scratch memory once they are big (a quarter MiB):
+    # one kept across later steps (and their evictions) keeps its values.
+    torch.manual_seed(0)
+    plain = hostembed.Embedding(5000, 64)
+    cached = hostembed.Embedding(5000, 64, cache_rows=1000)
+    with torch.no_grad():
+        cached.weight.copy_(plain.weight)
+    opts = [hostembed.SparseAdam(m.parameters(), lr=0.05) for m in (plain, cached)]
+    kept = []
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        ids = torch.randint(0, 5000, (2048,), generator=gen)
+        outs = []
+        for module, opt in zip((plain, cached), opts):
+            out = module(ids)
+            outs.append(out)
+            opt.zero_grad()
+            out.sin().sum().backward()
+            opt.step()
+        assert outs[1].nbytes >= 256 << 10
+        kept.append((outs[1], outs[0].detach().clone()))
+    assert cached.cache_stats["evictions"] > 0
+    for ours, expected in kept:
+        assert torch.equal(ours, expected)
+    assert torch.equal(cached.weight, plain.weight)
+    rows = torch.randn(3000, 64)
+    index = torch.randint(0, 3000, (5000,))
+    assert torch.equal(cpu_ops.rows_at(rows, index), rows[index])
+    assert torch.equal(cpu_ops.rows_at(rows[:, 0], index[:10]), rows[:, 0][index[:10]])
+
+
 def test_a_cache_holding_every_row_hits_after_the_first_touch():
     pairs = _pair("SparseAdam", cache=ROWS)
     batches = _batches(5)

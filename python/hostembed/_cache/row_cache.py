@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .._core.ops import update as update_ops
+from .._core.ops.cpu import rows_at
 from .._core.ops.cache_plan import CachePlan, CachePlanner
 from .._core.table import HostTable, table_of
 
@@ -143,7 +144,7 @@ class RowCache:
         file by the core's I/O threads rather than faulted in through the
         mapping one page at a time."""
         row_file = None if self.table.files is None else self.table.files.row_file_of(host)
-        return host[rows] if row_file is None else row_file.read(rows)
+        return _take(host, rows) if row_file is None else row_file.read(rows)
 
     def _host_write(self, host, rows, values):
         """host[rows] = values (distinct rows), written to the file of a
@@ -257,7 +258,7 @@ class RowCache:
             # The evicted records stay theirs (row_of_slot) until every
             # write is done: if one fails, flush() still has them.
             for key, host in self.host.items():
-                self._host_write(host, plan.evict_row, self.cached[key][evict_slot])
+                self._host_write(host, plan.evict_row, _take(self.cached[key], evict_slot))
             self.moved["written_back_bytes"] += plan.evict_row.numel() * self._record_bytes()
             self._seen()
             self.row_of_slot[evict_slot] = -1
@@ -302,13 +303,15 @@ class RowCache:
         """The batch's rows, unique[k]'s in row k: from its slot, or from
         host memory for a row that bypassed the cache."""
         self._check_usable()
-        cached = plan.slot >= 0
-        out = torch.empty(unique.numel(), self.table.dim, dtype=self.table.dtype)
-        out[cached] = self.cached["weight"][plan.slot[cached].long()]
-        try:
-            out[~cached] = self._host_read(self.table.tensor, unique[~cached])
-        except OSError as exc:
-            self._fail(exc)
+        # Every row from its slot (a bypassed one from slot 0, then
+        # replaced): the usual batch bypasses none.
+        out = _take(self.cached["weight"], plan.slot.clamp(min=0).long())
+        bypassed = (plan.slot < 0).nonzero().view(-1)
+        if bypassed.numel():
+            try:
+                out[bypassed] = self._host_read(self.table.tensor, unique[bypassed])
+            except OSError as exc:
+                self._fail(exc)
         return out
 
     @_ordered
@@ -336,15 +339,18 @@ class RowCache:
         self.last_update_from = values.device
         values = values.cpu()
         cached = (slots >= 0) & ~torch.isin(host_indices, self.pending)
-        bypass_indices, bypass_values = host_indices[~cached], values[~cached]
+        # Masks copy: the usual update has every row in a slot.
+        every = bool(cached.all())
+        bypass_indices, bypass_values = (host_indices[:0], values[:0]) if every else \
+            (host_indices[~cached], values[~cached])
         staged = None
         if self.table.files is not None and bypass_indices.numel():
             try:  # read before anything is updated: a failed read changes nothing
                 staged = self._stage_from_files(state, bypass_indices)
             except OSError as exc:
                 self._fail(exc)
-        update_ops.update_rows(kind, self.records, _state_over(state, self.cached), slots[cached], values[cached],
-                               **hyper)
+        update_ops.update_rows(kind, self.records, _state_over(state, self.cached), slots if every else slots[cached],
+                               values if every else values[cached], **hyper)
         self.dirty.update(("weight", *_tensors_of(state)))
         if self.table.files is None:
             update_ops.update_rows(kind, self.table, state, bypass_indices, bypass_values, **hyper)
@@ -398,6 +404,12 @@ class RowCache:
 
 
 _CHUNK_ROWS = 1 << 16
+
+
+def _take(tensor, index):
+    """tensor[index]: host rows in scratch memory (rows_at), GPU ones by
+    torch."""
+    return rows_at(tensor, index) if tensor.device.type == "cpu" else tensor[index]
 
 
 def _scale_key(key):

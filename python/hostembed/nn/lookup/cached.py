@@ -132,7 +132,7 @@ class _CachedLookup(torch.autograd.Function):
         with table.lock:
             rows = table.cache.rows(plan, unique)
         if device.type == "cpu":
-            out = rows[inverse].view(*ids.shape, table.dim)
+            out = cpu_ops.rows_at(rows, inverse).view(*ids.shape, table.dim)
         else:
             # Expanded straight into pinned memory, then one asynchronous
             # copy (torch's pinned allocator keeps the block until it is done).
