@@ -339,7 +339,8 @@ class RowCache:
         self.last_update_from = values.device
         values = values.cpu()
         cached = (slots >= 0) & ~torch.isin(host_indices, self.pending)
-        # Masks copy: the usual update has every row in a slot.
+        # No copies through masks when every row is in a slot (the usual
+        # update without plan-ahead).
         every = bool(cached.all())
         bypass_indices, bypass_values = (host_indices[:0], values[:0]) if every else \
             (host_indices[~cached], values[~cached])
