@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU path needs checked, on a GPU machine without network,
 # the most telling first: build, the row cache on the anchors' protocols
-# (float32, then compact state), the cache's tests, a language model's
-# token table in host memory against the model all on the GPU, the GPU tests,
+# (float32, then compact state), the cache's tests, the GPU tests, a
+# language model's token table in host memory against the model all on the GPU,
 # compute-sanitizer (memcheck, racecheck), a profile of the step, the GPU
 # benchmarks, the GPU tests again without torch's caching allocator, the
 # rest of the test suite. Logs go to OUTDIR; a short table is printed last.
@@ -220,12 +220,12 @@ if (( BUILT )); then
         --append --json "$OUT/cache_protocols.json"
     run protocols_replayed 120 "$PY" -u benchmarks/cache_step.py --protocols replayed --append \
         --json "$OUT/cache_protocols.json"
+    run gpu_tests 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --durations 15
     # A language model's token table in host memory against the model all
     # on the GPU (step time, GPU memory held and peak), torch's AdamW kept
     # and hostembed.SparseAdam for the table, beside torch's SparseAdam.
     run lm_gpu 150 "$PY" -u benchmarks/lm_step.py --device cuda --vocabs 128256,256000 --hidden 1024 \
         --tokens 2048 --rounds 6 --json "$OUT/lm_step.json"
-    run gpu_tests 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --durations 15
     SANITIZER=${SANITIZER:-$(command -v compute-sanitizer)}
     for dir in "${CUDA_HOME:-/usr/local/cuda}/bin" /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
         [[ -z $SANITIZER && -x $dir/compute-sanitizer ]] && SANITIZER=$dir/compute-sanitizer

@@ -165,6 +165,18 @@ def build_and_warm(name, vocab, hidden, tied, data, args):
     return model, opts, losses, gpu
 
 
+def check_pairs(losses, vocab, tied, when):
+    """Each pair's losses step by step, within float32 rounding of each
+    other (a step's loss reflects every update before it)."""
+    for reference, ours in PAIRS:
+        if ours not in losses:
+            continue
+        for a, b in zip(losses[reference], losses[ours]):
+            if abs(a - b) > 1e-4 * abs(a):
+                sys.exit(f"CORRECTNESS CHECK FAILED ({when}): vocab {vocab}, tied {tied}: {reference} "
+                         f"{losses[reference]}, {ours} {losses[ours]}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     rows = []
@@ -181,18 +193,17 @@ def main(argv=None):
             for name in names:
                 model, opts, losses[name], gpu[name] = build_and_warm(name, vocab, args.hidden, tied, data, args)
                 contenders[name] = (model, opts)
-            for reference, ours in PAIRS:
-                if ours in losses and abs(losses[reference][-1] - losses[ours][-1]) > 1e-4 * abs(losses[reference][-1]):
-                    sys.exit(f"CORRECTNESS CHECK FAILED: vocab {vocab}, tied {tied}: {reference} {losses[reference]}, "
-                             f"{ours} {losses[ours]}")
+            check_pairs(losses, vocab, tied, "warm-up")
             seconds = {name: [] for name in contenders}
             for r, ids in enumerate(data[args.warmup:]):
                 order = names if r % 2 else names[::-1]
                 for name in order:
                     model, opts = contenders[name]
                     t0 = time.perf_counter()
-                    step(model, opts, ids)
+                    losses[name].append(step(model, opts, ids))
                     seconds[name].append(time.perf_counter() - t0)
+            # The losses after optimizer steps: the pairs' updates agree.
+            check_pairs(losses, vocab, tied, "timed")
             held = {name: table_bytes(model, opts) for name, (model, opts) in contenders.items()}
             del contenders
             ms = {k: statistics.median(v) * 1e3 for k, v in seconds.items()}

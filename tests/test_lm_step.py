@@ -11,7 +11,7 @@ def test_lm_step_benchmark_reports_both_ties(tmp_path, monkeypatch):
     import lm_step
     out = tmp_path / "lm.json"
     lm_step.main(["--vocabs", "3000", "--hidden", "16", "--tokens", "256", "--warmup", "1", "--rounds", "2",
-                  "--json", str(out)])
+                  "--device", "cpu", "--json", str(out)])
     rows = {r["tied"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {True, False} and all(r["ms_per_step"]["hostembed"] > 0 for r in rows.values())
     untied, tied = rows[False]["table_bytes"], rows[True]["table_bytes"]
