@@ -341,17 +341,17 @@ class RowCache:
         cached = (slots >= 0) & ~torch.isin(host_indices, self.pending)
         # No copies through masks when every row is in a slot (the usual
         # update without plan-ahead).
-        every = bool(cached.all())
-        bypass_indices, bypass_values = (host_indices[:0], values[:0]) if every else \
-            (host_indices[~cached], values[~cached])
+        bypass_indices, bypass_values = host_indices[:0], values[:0]
+        if not bool(cached.all()):
+            bypass_indices, bypass_values = host_indices[~cached], values[~cached]
+            slots, values = slots[cached], values[cached]
         staged = None
         if self.table.files is not None and bypass_indices.numel():
             try:  # read before anything is updated: a failed read changes nothing
                 staged = self._stage_from_files(state, bypass_indices)
             except OSError as exc:
                 self._fail(exc)
-        update_ops.update_rows(kind, self.records, _state_over(state, self.cached), slots if every else slots[cached],
-                               values if every else values[cached], **hyper)
+        update_ops.update_rows(kind, self.records, _state_over(state, self.cached), slots, values, **hyper)
         self.dirty.update(("weight", *_tensors_of(state)))
         if self.table.files is None:
             update_ops.update_rows(kind, self.table, state, bypass_indices, bypass_values, **hyper)
