@@ -8,23 +8,23 @@
 static PyObject *move(PyObject *args, PyObject *kwds, int write)
 {
     static char *kwlist[] = {"fd", "direct_fd", "align", "row_bytes", "num_rows", "offset", "path", "rows", "count",
-                             "buffer", "threads", NULL};
-    int fd, direct_fd, threads;
+                             "buffer", "threads", "read_removed", NULL};
+    int fd, direct_fd, threads, read_removed;
     long long row_bytes, num_rows, count;
     unsigned long long offset, align;
     const char *path;
     HEB_ADDRESS(rows);
     HEB_ADDRESS(buffer);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, write ? "$iiKLLKsO&LO&i:write_rows" : "$iiKLLKsO&LO&i:read_rows",
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, write ? "$iiKLLKsO&LO&ip:write_rows" : "$iiKLLKsO&LO&ip:read_rows",
                                      kwlist, &fd, &direct_fd, &align, &row_bytes, &num_rows, &offset, &path,
-                                     heb_address_converter, &rows, &count, heb_address_converter, &buffer, &threads))
+                                     heb_address_converter, &rows, &count, heb_address_converter, &buffer, &threads, &read_removed))
         return NULL;
     if (row_bytes <= 0 || count < 0) {
         PyErr_Format(PyExc_ValueError, "%s needs rows of at least one byte and a count >= 0, got %lld and %lld",
                      write ? "write_rows" : "read_rows", row_bytes, count);
         return NULL;
     }
-    he_row_file f = {fd, direct_fd, (size_t)align, (size_t)row_bytes, num_rows, offset, path};
+    he_row_file f = {fd, direct_fd, (size_t)align, (size_t)row_bytes, num_rows, offset, path, read_removed};
     he_status st;
     Py_BEGIN_ALLOW_THREADS
     st = write ? he_row_file_write(&f, rows.ptr, (size_t)count, buffer.ptr, threads)
@@ -58,7 +58,7 @@ static PyObject *heb_inject_io_error(PyObject *mod, PyObject *args)
     Py_RETURN_NONE;
 }
 
-#define ROW_FILE_ARGS "*, fd, direct_fd, align, row_bytes, num_rows, offset, path, rows, count, buffer, threads"
+#define ROW_FILE_ARGS "*, fd, direct_fd, align, row_bytes, num_rows, offset, path, rows, count, buffer, threads, read_removed"
 
 static PyMethodDef heb_row_file_methods[] = {
     {"read_rows", HEB_KW_FUNC(heb_read_rows), METH_VARARGS | METH_KEYWORDS,

@@ -211,14 +211,15 @@ static he_status check_args(const he_row_file *f, const int64_t *rows, size_t n,
  * write would extend it again with holes (rows of zeros). A removed file is
  * one for reads, so training stops, not for writes: its rows live while it
  * is open, and the cache's last rows can still be written there and saved
- * from it. */
+ * from it; nor for the reads that move them there (read_removed: a records
+ * file written back to the tensors' files). */
 static he_status check_file(const he_row_file *f, const char *what, int write)
 {
     const char *path = f->path ? f->path : "the table file";
     struct stat sb;
     if (fstat(f->fd, &sb) != 0)
         return he_fail(HE_ERR_SYSTEM, "%s %s: %s", what, path, strerror(errno));
-    if (sb.st_nlink == 0 && !write)
+    if (sb.st_nlink == 0 && !write && !f->read_removed)
         return he_fail(HE_ERR_SYSTEM, "%s %s: the file was removed while the table was open (its rows live only as "
                        "long as this process); save a checkpoint of the table now", what, path);
     uint64_t need = f->offset + (uint64_t)f->num_rows * f->row_bytes;

@@ -32,6 +32,7 @@ typedef struct he_row_file {
     int64_t num_rows;   /* rows the file holds */
     uint64_t offset;    /* the file's byte of row 0 */
     const char *path;   /* named in error messages */
+    int read_removed;   /* nonzero: reads of the file after its removal are done, not refused (see check_file) */
 } he_row_file;
 
 /* Reads rows[0..n) into dst, row k at dst + k * row_bytes. rows must be

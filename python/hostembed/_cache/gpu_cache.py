@@ -26,6 +26,7 @@ from .._core.ops import update as update_ops
 from .._core.ops.cache_plan import CachePlanner
 from .._core.ops.gpu_cache import CachePlanOnDevice, GpuCacheState
 from .row_cache import RowCache, _ordered, _scale_key, _tensors_of
+from .row_store import HostRows
 
 # Arrays one move of the kernels takes (cuda/he_cuda.h's HE_CUDA_CACHE_ARRAYS).
 _MOVED_AT_ONCE = 3
@@ -167,6 +168,7 @@ class GpuRowCache(RowCache):
         self.ops = GpuCacheState(table.num_rows, capacity, 2, self.device) if self.device.type == "cuda" \
             else HostTwinState(table, capacity, 2)
         self.host = {"weight": table.tensor}
+        self.store = HostRows(self.host)  # records move through host memory's mapping, a table on disk's too
         self.cached = {"weight": self._new_records(weight=True)}
         if self.device.type == "cpu":
             self.ops.record_table = self.records

@@ -9,9 +9,9 @@ import torch
 from torch import Tensor
 
 from .._core.ops import update as update_ops
-from .._core.ops.cpu import rows_at
 from .._core.ops.cache_plan import CachePlan, CachePlanner
 from .._core.table import HostTable, table_of
+from .row_store import FileRows, HostRows, take as _take
 
 
 def _ordered(method):
@@ -75,6 +75,8 @@ class RowCache:
         self.cached = {"weight": self._new_records(weight=True)}
         self.version = {"weight": table.tensor._version}
         self.dirty, self.stale = set(), set()
+        # Where rows not in a slot are read and written (row_store.py).
+        self.store = HostRows(self.host) if table.files is None else FileRows(self.host, table.files)
         # The row each record holds. Not the planner's map: planned a step
         # ahead, a slot is the new row's as soon as it is planned, while its
         # record still holds the old row's until the fetch (flush reads this).
@@ -127,9 +129,10 @@ class RowCache:
         return (self.row_of_slot >= 0).nonzero().view(-1)
 
     def _read_in(self, records, host):
-        """Every live record's values read from its row of `host`."""
+        """Every live record's values read from its row of `host` (its own
+        file, for a table on disk: the store's records of it given up first)."""
         for slots in self._live_slot_chunks():
-            records[slots] = self._host_read(host, self.row_of_slot[slots])
+            records[slots] = self._home_read(host, self.row_of_slot[slots])
 
     def _live_slot_chunks(self):
         """The live slots, a chunk at a time: moving them all at once would
@@ -137,16 +140,17 @@ class RowCache:
         slots = self._live_slots()
         return slots.split(_CHUNK_ROWS)
 
-    # ---- host memory, or a table's files (Embedding(storage=...))
+    # ---- a host tensor's own memory, or its file (Embedding(storage=...));
+    # the rows a step moves go through self.store
 
-    def _host_read(self, host, rows):
+    def _home_read(self, host, rows):
         """host[rows] (distinct rows): for a table on disk, read from its
         file by the core's I/O threads rather than faulted in through the
         mapping one page at a time."""
         row_file = None if self.table.files is None else self.table.files.row_file_of(host)
         return _take(host, rows) if row_file is None else row_file.read(rows)
 
-    def _host_write(self, host, rows, values):
+    def _home_write(self, host, rows, values):
         """host[rows] = values (distinct rows), written to the file of a
         table on disk (the first write of a session marks its files as not
         holding the whole table until a flush)."""
@@ -158,6 +162,11 @@ class RowCache:
         if rows.numel():
             files.set_clean(False)
             row_file.write(rows, values)
+
+    def holds_newer(self, key: str) -> bool:
+        """Whether host memory (or the files) lacks updates of `key` that
+        the cache holds: flush() writes them."""
+        return key in self.dirty or self.store.unflushed(key)
 
     def _check_usable(self):
         if self.failed is not None:
@@ -175,13 +184,14 @@ class RowCache:
         for key, host in self.host.items():
             if key not in self.stale and host._version == self.version[key]:
                 continue
-            if key in self.dirty and key not in self.stale:
+            if self.holds_newer(key) and key not in self.stale:
                 raise CacheConflict(
                     f"hostembed: the {'rows' if key == 'weight' else repr(key) + ' state'} of a table with a row "
                     "cache were written in place while the cache held updates not yet in host memory; which values "
                     "are meant cannot be told. Write the weight through the module's `weight` attribute (reading "
                     "it writes the cache back first), or call flush_cache() before writing through a reference "
                     "kept from earlier")
+            self.store.forget(keep=[k for k in self.host if k != key])
             self._read_in(self.cached[key], host)
             self.stale.discard(key)
             self.dirty.discard(key)
@@ -196,10 +206,11 @@ class RowCache:
         the rows of. Anything else (a write besides, newer records, GPU
         records) is left to _sync."""
         host = self.host.get(key)
-        if host is None or self.device.type != "cpu" or key in self.stale or key in self.dirty \
+        if host is None or self.device.type != "cpu" or key in self.stale or self.holds_newer(key) \
                 or host._version != self.version[key] + 1:
             return
         rows = torch.unique(rows.cpu())
+        self.store.forget(rows=rows)
         slots = self.planner.slots_of(rows).long()
         # A slot planned a step ahead may not hold its row yet: its fetch
         # reads host memory after this step anyway.
@@ -217,6 +228,7 @@ class RowCache:
         not see (a load): the records are re-read from it, and their own
         updates, superseded, are dropped."""
         if key in self.host:
+            self.store.forget(keep=[k for k in self.host if k != key])
             self.stale.add(key)
             self.dirty.discard(key)
 
@@ -230,6 +242,7 @@ class RowCache:
         self._sync()
         if key in self.dirty:
             self.flush((key,))
+        self.store.retire()  # its records' fields change
         records = self._new_records(like=host_tensor)
         self._read_in(records, host_tensor)
         self.host[key], self.cached[key] = host_tensor, records
@@ -240,6 +253,7 @@ class RowCache:
         """Forgets every state tensor, its records unwritten: a load of the
         optimizer's state supersedes them (the next update attaches what
         it loaded)."""
+        self.store.retire(keep=("weight",))
         for key in [k for k in self.host if k != "weight"]:
             del self.host[key], self.cached[key], self.version[key]
             self.dirty.discard(key)
@@ -257,8 +271,7 @@ class RowCache:
         try:
             # The evicted records stay theirs (row_of_slot) until every
             # write is done: if one fails, flush() still has them.
-            for key, host in self.host.items():
-                self._host_write(host, plan.evict_row, _take(self.cached[key], evict_slot))
+            self.store.write(plan.evict_row, {key: _take(self.cached[key], evict_slot) for key in self.host})
             self.moved["written_back_bytes"] += plan.evict_row.numel() * self._record_bytes()
             self._seen()
             self.row_of_slot[evict_slot] = -1
@@ -293,8 +306,8 @@ class RowCache:
 
     def _fetch(self, plan, which):
         rows, slots = plan.fetch_row[which], plan.fetch_slot[which].long()
-        for key, host in self.host.items():
-            self.cached[key][slots] = self._host_read(host, rows)
+        for key, values in self.store.read(self.host, rows).items():
+            self.cached[key][slots] = values
         self.row_of_slot[slots] = rows
         self.moved["fetched_bytes"] += rows.numel() * self._record_bytes()
 
@@ -309,7 +322,7 @@ class RowCache:
         bypassed = (plan.slot < 0).nonzero().view(-1)
         if bypassed.numel():
             try:
-                out[bypassed] = self._host_read(self.table.tensor, unique[bypassed])
+                out[bypassed] = self.store.read(("weight",), unique[bypassed])["weight"]
             except OSError as exc:
                 self._fail(exc)
         return out
@@ -356,11 +369,11 @@ class RowCache:
         if self.table.files is None:
             update_ops.update_rows(kind, self.table, state, bypass_indices, bypass_values, **hyper)
         elif staged is not None:
-            records, items, hosts, temporary, rows, inverse = staged
+            records, items, temporary, rows, inverse = staged
             update_ops.update_rows(kind, records, items, inverse, bypass_values, **hyper)
             # Until written, these rows' newest values are only here: a
             # failed write leaves them for flush() (the step is complete).
-            self.unwritten = [(host, rows, temporary[key]) for key, host in hosts.items()]
+            self.unwritten = [(rows, temporary)]
             try:
                 self._write_unwritten()
             except OSError as exc:
@@ -375,16 +388,17 @@ class RowCache:
         records = HostTable(rows.numel(), self.table.dim, dtype=self.table.dtype, first_touch=False)
         hosts = {"weight": self.table.tensor, **_tensors_of(state)}
         temporary = {"weight": records.tensor}
+        read = self.store.read(hosts, rows)
         for key, tensor in hosts.items():
             if key != "weight":
                 temporary[key] = _zeros_like(records, tensor)
-            temporary[key].copy_(self._host_read(tensor, rows))
-        return records, _state_over(state, temporary), hosts, temporary, rows, inverse.view(-1)
+            temporary[key].copy_(read[key])
+        return records, _state_over(state, temporary), temporary, rows, inverse.view(-1)
 
     def _write_unwritten(self):
         while self.unwritten:
-            host, rows, values = self.unwritten[0]
-            self._host_write(host, rows, values)
+            rows, values = self.unwritten[0]
+            self.store.write(rows, values)
             self.unwritten.pop(0)
 
     @_ordered
@@ -393,10 +407,12 @@ class RowCache:
         rows; they stay cached."""
         self._sync()
         self._write_unwritten()
+        # The store's newer rows first: the live records are newer still.
+        self.store.flush_homes(keys)
         for key in self.host if keys is None else keys:
             if key in self.dirty:
                 for slots in self._live_slot_chunks():
-                    self._host_write(self.host[key], self.row_of_slot[slots], self.cached[key][slots])
+                    self._home_write(self.host[key], self.row_of_slot[slots], self.cached[key][slots])
                     self.moved["written_back_bytes"] += slots.numel() * self.cached[key][:1].nbytes
                 self.dirty.discard(key)
         self._seen()
@@ -405,12 +421,6 @@ class RowCache:
 
 
 _CHUNK_ROWS = 1 << 16
-
-
-def _take(tensor, index):
-    """tensor[index]: host rows in scratch memory (rows_at), GPU ones by
-    torch."""
-    return rows_at(tensor, index) if tensor.device.type == "cpu" else tensor[index]
 
 
 def _scale_key(key):

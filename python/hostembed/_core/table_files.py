@@ -14,7 +14,8 @@ DIRECT_MIN_ROW_BYTES or more (csrc/row_file.h says why not the page cache).
 Optimizer state files hold the state of one optimizer's life: each is
 removed when the last tensor over it goes (the optimizer's state and the
 row cache's hold on it), and any left by a process that died, at the next
-open.
+open. So is the row cache's records file (new_records; a row's weight and
+state as one record, so that a miss is one read: _cache/row_store.py).
 A table's training resumes from a checkpoint (hostembed.save), which holds
 the optimizer's state and step; the table files hold the rows.
 """
@@ -95,7 +96,7 @@ class RowFile:
     """One tensor's file: its mapping (take_tensor(): [num_rows, width], or
     [num_rows] with per_row) and explicit row reads and writes."""
 
-    def __init__(self, path, num_rows, width, dtype, *, create, per_row=False, zero_fill=False):
+    def __init__(self, path, num_rows, width, dtype, *, create, per_row=False, zero_fill=False, mapped=True):
         self.path, self.num_rows, self.width, self.dtype = path, num_rows, width, dtype
         self.row_bytes = width * dtype.itemsize
         self.nbytes = num_rows * self.row_bytes
@@ -115,7 +116,9 @@ class RowFile:
             # cache's moves read: they go around it where the disk allows.
             if self.row_bytes >= DIRECT_MIN_ROW_BYTES:
                 self.direct_fd, self.align = _open_direct(path)
-            buffer = map_shared(self.fd, self.nbytes) if self.nbytes else _C.HostBuffer(0)
+            buffer = None
+            if mapped:
+                buffer = map_shared(self.fd, self.nbytes) if self.nbytes else _C.HostBuffer(0)
         except BaseException:
             self.close()
             if create:
@@ -123,11 +126,14 @@ class RowFile:
             raise
         if hasattr(os, "posix_fadvise") and self.nbytes:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self.per_row = per_row
+        if buffer is None:  # moved by read() and write() only
+            self.buffer, self._tensor = (lambda: None), None
+            return
         # Held by the tensor only: the file is closed (and a state file
         # removed) when the last tensor over it goes (TableFiles).
         self.buffer = weakref.ref(buffer)
         tensor = host_tensor(buffer, num_rows, width, dtype)
-        self.per_row = per_row
         self._tensor = tensor.view(num_rows) if per_row else tensor
 
     def take_tensor(self):
@@ -170,22 +176,30 @@ class RowFile:
             raise OSError(exc.errno, f"hostembed: cannot write the {self.nbytes} bytes of {self.path} "
                                      f"({os.strerror(exc.errno)})") from None
 
-    def _move(self, function, rows, buffer):
+    def _move(self, function, rows, buffer, read_removed=False):
         function(fd=self.fd, direct_fd=-1 if self.direct_fd is None else self.direct_fd, align=self.align,
                  row_bytes=self.row_bytes, num_rows=self.num_rows, offset=0, path=self.path, rows=rows.data_ptr(),
-                 count=rows.numel(), buffer=buffer.data_ptr(), threads=IO_THREADS)
+                 count=rows.numel(), buffer=buffer.data_ptr(), threads=IO_THREADS, read_removed=read_removed)
 
-    def read(self, rows):
-        """The rows (distinct int64 ids, any order) as a new tensor."""
-        ordered, order = torch.sort(rows)
+    def read(self, rows, *, read_removed=False):
+        """The rows (distinct int64 ids, any order) as a new tensor. A file
+        removed while open refuses reads (training stops), unless
+        read_removed (rows read to be written back, and saved from there)."""
         out = torch.empty((rows.numel(), self.width), dtype=self.dtype)
-        self._move(_C.read_rows, ordered, out)
+        if _ascending(rows):  # no copies (a records file's rows come sorted)
+            self._move(_C.read_rows, rows, out, read_removed)
+            return out.view(-1) if self.per_row else out
+        ordered, order = torch.sort(rows)
+        self._move(_C.read_rows, ordered, out, read_removed)
         result = torch.empty_like(out)
         result[order] = out
         return result.view(-1) if self.per_row else result
 
     def write(self, rows, values):
         """values' rows written to rows (distinct int64 ids)."""
+        if _ascending(rows) and values.is_contiguous():
+            self._move(_C.write_rows, rows, values)
+            return
         ordered, order = torch.sort(rows)
         source = values.reshape(rows.numel(), self.width)[order].contiguous()
         self._move(_C.write_rows, ordered, source)
@@ -201,6 +215,10 @@ class RowFile:
             if fd is not None:
                 os.close(fd)
         self.fd = self.direct_fd = None
+
+
+def _ascending(rows):
+    return rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())
 
 
 class TableFiles:
@@ -367,6 +385,14 @@ class TableFiles:
         path = os.path.join(self.path, f"{STATE_PREFIX}{os.getpid()}-{self._state_count}.bin")
         row_file = RowFile(path, self.num_rows, width, dtype, create=True, per_row=per_row, zero_fill=True)
         return self._register(row_file, row_file.take_tensor(), True)
+
+    def new_records(self, record_bytes):
+        """A file of [num_rows, record_bytes] bytes (_cache/row_store.py's
+        records), reserved, unmapped: its owner writes every row, and removes
+        it (or the next open, as a state file)."""
+        self._state_count += 1
+        path = os.path.join(self.path, f"{STATE_PREFIX}{os.getpid()}-{self._state_count}-records.bin")
+        return RowFile(path, self.num_rows, record_bytes, torch.uint8, create=True, mapped=False)
 
     def row_file_of(self, tensor):
         """The RowFile whose mapping `tensor` is, or None."""

@@ -244,7 +244,7 @@ class HostTableModule:
 
     def _flush_weight(self) -> None:
         cache = self._table.cache
-        if cache is not None and "weight" in cache.dirty:
+        if cache is not None and cache.holds_newer("weight"):
             with self._table.lock:
                 cache.flush(("weight",))
 

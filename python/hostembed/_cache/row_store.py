@@ -1,0 +1,355 @@
+"""Where a row cache reads and writes the rows it does not hold: a table's
+host tensors in memory (HostRows), or the files of a table on disk
+(FileRows), where a missed row is one read and an evicted row one write.
+
+A table on disk keeps one file per tensor (its weight, each state tensor;
+_core/table_files.py): a miss of a row of SparseAdam's would read three
+files and its eviction write three, and a disk at these sizes is bound by
+its request rate, not its bytes. So while an optimizer's state moves with
+the rows, the cache writes each evicted row whole, weight and state, as
+one record of a records file, and reads it back as one: the tensors'
+files (the "homes") hold a row's newest values only until its first
+eviction, and get them back at a flush (flush_homes), which every reader
+of the files calls first (the cache's flush: the module's `weight`,
+state_dict(), hostembed.save, the table's end). The records file holds
+the optimizer's life, like the state files, and is removed with the table.
+"""
+import errno
+import os
+import warnings
+import weakref
+
+import torch
+from torch import Tensor
+
+from .._core.ops.cpu import rows_at
+
+# A record's fields start at multiples of this (a field read as its dtype
+# needs its alignment).
+_FIELD_ALIGN = 8
+# Rows moved between the records file and the homes at a time (fills and
+# flushes): 12 MiB of SparseAdam's records at D=128, a few large requests
+# for consecutive rows, little memory under a table's budget.
+_CHUNK_ROWS = 1 << 13
+# Per row: bit k set while field k of its record is newer than its home;
+# _VALID while the record holds the row (it was written whole since the
+# records file was made, and nothing wrote the homes since).
+_VALID = 0x80
+_MAX_FIELDS = 7
+
+
+def take(tensor, index):
+    """tensor[index]: host rows in scratch memory (rows_at), GPU ones by
+    torch."""
+    return rows_at(tensor, index) if tensor.device.type == "cpu" else tensor[index]
+
+
+class HostRows:
+    """The rows of host tensors in memory: `hosts` (the cache's dict, name:
+    tensor, which grows as state attaches)."""
+
+    def __init__(self, hosts):
+        self.hosts = hosts
+
+    def read(self, keys, rows: Tensor) -> dict:
+        """{key: hosts[key][rows]} (distinct rows)."""
+        return {key: take(self.hosts[key], rows) for key in keys}
+
+    def write(self, rows: Tensor, values: dict) -> None:
+        for key, value in values.items():
+            self.hosts[key][rows] = value
+
+    def unflushed(self, key) -> bool:
+        return False
+
+    def flush_homes(self, keys=None) -> None:
+        pass
+
+    def forget(self, keep=None, rows=None) -> None:
+        pass
+
+    def retire(self, keep=None) -> None:
+        pass
+
+
+class FileRows:
+    """The rows of a table on disk: its tensors' files (through `files`, a
+    TableFiles, for `hosts`: the cache's dict), and, while state moves with
+    the rows, a records file of whole rows (see the module)."""
+
+    def __init__(self, hosts, files):
+        self.hosts, self.files = hosts, files
+        self.records = None  # the records file (a RowFile), made at the first write of whole rows
+        self.fields = ()  # (key, byte offset, bytes, dtype, row shape) a field, in the records file's order
+        self.flags = None  # uint8 per row: _VALID and the unflushed fields' bits
+        self._refused = None  # why the records file could not be made (warned once), or None
+        self._remove = None  # removes the records file (a finalizer: also when this goes)
+        # (sorted rows, their records) read by the last read of part of the
+        # fields, or None; dropped by any write (_read_records says why).
+        self._kept = None
+
+    # ---- the tensors' files
+
+    def _home_read(self, key, rows):
+        host = self.hosts[key]
+        row_file = self.files.row_file_of(host)
+        return take(host, rows) if row_file is None else row_file.read(rows)
+
+    def _home_write(self, key, rows, values):
+        host = self.hosts[key]
+        row_file = self.files.row_file_of(host)
+        if row_file is None:
+            host[rows] = values
+        elif rows.numel():
+            row_file.write(rows, values)
+
+    # ---- the records file
+
+    def _layout(self):
+        """The fields of a record of the hosts as they are now, or None
+        where rows do not move whole (no state, or a tensor not in a file)."""
+        if len(self.hosts) < 2 or len(self.hosts) > _MAX_FIELDS:
+            return None
+        fields, offset = [], 0
+        for key, host in self.hosts.items():
+            if self.files.row_file_of(host) is None:
+                return None
+            nbytes = host[:1].nbytes
+            fields.append((key, offset, nbytes, host.dtype, tuple(host.shape[1:])))
+            offset += -(-nbytes // _FIELD_ALIGN) * _FIELD_ALIGN
+        return tuple(fields), offset
+
+    def _record_bytes(self, raw):
+        """A record's bytes: whole sectors of direct I/O where the disk has
+        it (a write of part of a sector reads it first), else whole cache
+        lines."""
+        align = max(self.files.weight.align, 64)
+        return -(-raw // align) * align
+
+    def _current(self):
+        """The records file, if it holds records of the hosts' fields as
+        they are now."""
+        if self.records is None:
+            return None
+        layout = self._layout()
+        return self.records if layout is not None and layout[0] == self.fields else None
+
+    def _make(self):
+        """A records file for the hosts' fields, or None (they do not move
+        whole, or it could not be made: warned, and rows move field by
+        field, as slower, the same values)."""
+        layout = self._layout()
+        if layout is None or self._refused is not None or self.records is not None:
+            return None
+        fields, raw = layout
+        records = None
+        try:
+            records = self.files.new_records(self._record_bytes(raw))
+            self._fill(records, fields)
+        except BaseException as exc:
+            if records is not None:
+                _remove(records)
+            if not isinstance(exc, OSError):
+                raise
+            self._refused = str(exc)
+            warnings.warn(f"hostembed: the records file of the table in {self.files.path} could not be made "
+                          f"({exc}); its rows move field by field from now on, ~3x the disk requests",
+                          RuntimeWarning, stacklevel=2)
+            return None
+        self.records, self.fields = records, fields
+        self.flags = torch.full((self.files.num_rows,), _VALID, dtype=torch.uint8)
+        self._remove = weakref.finalize(self, _remove, records)
+        # Not at the interpreter's exit before the table's own write-back
+        # (row_cache.flush_when_done), which reads it: it goes with this.
+        self._remove.atexit = False
+        return records
+
+    def _fill(self, records, fields):
+        """Every row's record written from the tensors' files, in runs of
+        consecutive rows (a few large requests): from then on every miss is
+        one read, a row's first too. Linear in the table, like the state
+        files' own zeroing when they were made."""
+        self.records, self.fields = records, fields
+        try:
+            for chunk in torch.arange(self.files.num_rows).split(_CHUNK_ROWS):
+                records.write(chunk, self._join({key: self._home_read(key, chunk) for key, *_ in fields},
+                                                chunk.numel()))
+        finally:
+            self.records, self.fields = None, ()
+
+    def _split(self, buffer):
+        """A read of records as {key: values} (views of `buffer`)."""
+        n = buffer.shape[0]
+        return {key: buffer[:, offset:offset + nbytes].view(dtype).view(n, *shape)
+                for key, offset, nbytes, dtype, shape in self.fields}
+
+    def _join(self, values, n, order=None):
+        """Records of values (by key; rows in `order` if given)."""
+        buffer = torch.empty((n, self.records.width), dtype=torch.uint8)
+        end = 0
+        for key, offset, nbytes, _, _ in self.fields:
+            buffer[:, end:offset] = 0  # padding: the file's bytes are the values' alone
+            field = values[key].reshape(n, -1).view(torch.uint8)
+            buffer[:, offset:offset + nbytes] = field if order is None else field[order]
+            end = offset + nbytes
+        buffer[:, end:] = 0
+        return buffer
+
+    def _read_records(self, rows, whole):
+        """Records of `rows` (distinct, each held by its record): those the
+        last read of part of the fields kept (see `kept`) without a read, the
+        others read. A read of part of the fields keeps what it read: the
+        forward reads a bypassed row's weight, and its update next reads
+        the whole row."""
+        found = torch.zeros(rows.shape, dtype=torch.bool)
+        if self._kept is not None and whole and torch.equal(self._kept[0], rows):
+            buffer, self._kept = self._kept[1], None  # the usual update after its forward: no copy
+            return buffer
+        if self._kept is not None:
+            kept_rows, kept = self._kept
+            at = torch.searchsorted(kept_rows, rows).clamp(max=max(kept_rows.numel() - 1, 0))
+            found = kept_rows[at] == rows if kept_rows.numel() else found
+        if not bool(found.any()):
+            buffer = self.records.read(rows)
+        else:
+            buffer = torch.empty((rows.numel(), self.records.width), dtype=torch.uint8)
+            buffer[found] = kept[at[found]]
+            missing = (~found).nonzero().view(-1)
+            if missing.numel():
+                buffer[missing] = self.records.read(rows[missing])
+        if whole:
+            self._kept = None  # used: it would only hold memory
+        else:
+            order = torch.argsort(rows)
+            self._kept = (rows[order], buffer[order]) if not _ascending(rows) else (rows, buffer)
+        return buffer
+
+    def _bits(self, keys):
+        bits = 0
+        for k, (key, *_) in enumerate(self.fields):
+            if key in keys:
+                bits |= 1 << k
+        return bits
+
+    # ---- what the cache calls
+
+    def read(self, keys, rows: Tensor) -> dict:
+        """{key: rows' values} (distinct rows): a row whose record holds it,
+        from the records file (one read), else from each key's file."""
+        records = self._current()
+        if records is not None and self.files.removed():
+            # Its reads would not see it (they read the records file): training
+            # stops here, as a read of the weight's file would stop it.
+            raise OSError(errno.ENOENT, f"hostembed: {self.files.weight.path}: the file was removed while the "
+                                        "table was open (its rows live only as long as this process); save a "
+                                        "checkpoint of the table now")
+        in_records = None if records is None else (self.flags[rows] & _VALID) != 0
+        if in_records is None or not bool(in_records.any()):
+            return {key: self._home_read(key, rows) for key in keys}
+        if bool(in_records.all()):
+            read = self._split(self._read_records(rows, whole=len(keys) == len(self.fields)))
+            return {key: read[key] for key in keys}
+        at = in_records.nonzero().view(-1)
+        elsewhere = (~in_records).nonzero().view(-1)
+        read = self._split(self._read_records(rows[at], whole=len(keys) == len(self.fields)))
+        out = {}
+        for key in keys:
+            host = self.hosts[key]
+            out[key] = torch.empty((rows.numel(), *host.shape[1:]), dtype=host.dtype)
+            out[key][at] = read[key]
+            out[key][elsewhere] = self._home_read(key, rows[elsewhere])
+        return out
+
+    def write(self, rows: Tensor, values: dict) -> None:
+        """Rows' values (distinct rows): every field at once goes to the
+        records file (one write a row); fewer go to their files, and
+        those rows' records are given up (flushed first)."""
+        if not rows.numel():
+            return
+        self._kept = None
+        self.files.set_clean(False)  # the files will not hold the whole table until a flush
+        records = self._current()
+        if records is None and set(values) == set(self.hosts):
+            records = self._make()
+        if records is not None and set(values) == set(self.hosts):
+            order = None
+            if not _ascending(rows):  # joined in the file's order: the write copies nothing more
+                order = torch.argsort(rows)
+                rows = rows[order]
+            records.write(rows, self._join(values, rows.numel(), order))
+            # Set once written: a failed write leaves the old record the
+            # row's (the cache keeps its copy and writes it again).
+            self.flags[rows] = _VALID | self._bits(values)
+            return
+        self.forget(rows=rows)
+        for key, value in values.items():
+            self._home_write(key, rows, value)
+
+    def unflushed(self, key) -> bool:
+        """Whether rows of `key` in the records file are newer than its file."""
+        if self.records is None:
+            return False
+        bits = self._bits((key,))
+        return bits != 0 and bool(((self.flags & bits) != 0).any())
+
+    def flush_homes(self, keys=None, rows=None) -> None:
+        """The records' fields of `keys` (all by default) newer than their
+        files written there (of `rows` only, if given); the records stay."""
+        self._kept = None  # the homes change (and the caller may write them next)
+        if self.records is None:
+            return
+        bits = self._bits(self.hosts if keys is None else keys)
+        flags = self.flags if rows is None else self.flags[rows]
+        todo = ((flags & bits) != 0).nonzero().view(-1)
+        if rows is not None:
+            todo = rows[todo]
+        for chunk in todo.split(_CHUNK_ROWS):
+            # Read even where the table's directory was removed: its rows
+            # are then saved from the tensors' open files (hostembed.save).
+            read = self._split(self.records.read(chunk, read_removed=True))
+            flags = self.flags[chunk]
+            for key, *_ in self.fields:
+                bit = self._bits((key,)) & bits
+                if bit:  # only the rows whose field is newer: another's may be older than its file
+                    which = ((flags & bit) != 0).nonzero().view(-1)
+                    self._home_write(key, chunk[which], read[key][which])
+            # Cleared once written: a failed write leaves them newer.
+            self.flags[chunk] &= ~bits & 0xFF
+
+    def forget(self, keep=None, rows=None) -> None:
+        """The records (of `rows`, else all) no longer read: the homes are
+        written, or about to be, some other way. Their fields in `keep`
+        (all but those the caller rewrote: by default every one) that are
+        newer than their files are written there first; the others are
+        superseded."""
+        if self.records is None:
+            return
+        keep = [key for key, *_ in self.fields] if keep is None else keep
+        self.flush_homes(keep, rows)
+        if rows is None:
+            self.flags.zero_()
+        else:
+            self.flags[rows] = 0
+
+    def retire(self, keep=None) -> None:
+        """Before the hosts' fields change (state attached or dropped): the
+        records' fields in `keep` (default all) written to their files, and
+        the records file removed; the next write of whole rows makes one
+        for the new fields."""
+        if self.records is None:
+            return
+        self.forget(keep)
+        self._remove()
+        self.records, self.fields, self.flags, self._remove = None, (), None, None
+
+
+def _ascending(rows):
+    return rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())
+
+
+def _remove(row_file):
+    row_file.close()
+    try:
+        os.unlink(row_file.path)
+    except OSError:
+        pass

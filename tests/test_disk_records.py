@@ -1,0 +1,131 @@
+"""A table on disk moves a row and its optimizer state as one record: a
+missed row is one read, an evicted row one write (of a records file); the
+tensors' own files get the rows back at a flush, and the results are the
+bits of the same table in memory through loads, an optimizer's new state,
+and a records file that cannot be made."""
+import collections
+import errno
+import gc
+import os
+
+import pytest
+import torch
+
+import hostembed
+from hostembed._core import table_files
+from test_disk_table import OPTIMIZERS, ROWS, build, state_tensors, train
+
+
+@pytest.fixture
+def moves(monkeypatch):
+    """Rows read and written, by file kind ("records", "weight", "state"),
+    counted at the RowFile."""
+    counts = collections.Counter()
+    read, write = table_files.RowFile.read, table_files.RowFile.write
+
+    def kind(row_file):
+        name = os.path.basename(row_file.path)
+        return "records" if name.endswith("-records.bin") else "weight" if name == "weight.bin" else "state"
+
+    def counted_read(self, rows, **kwargs):
+        counts["read", kind(self)] += rows.numel()
+        return read(self, rows, **kwargs)
+
+    def counted_write(self, rows, values):
+        counts["write", kind(self)] += rows.numel()
+        return write(self, rows, values)
+
+    monkeypatch.setattr(table_files.RowFile, "read", counted_read)
+    monkeypatch.setattr(table_files.RowFile, "write", counted_write)
+    return counts
+
+
+def _pair(tmp_path, optimizer, cache_rows=20):
+    memory = build()
+    disk = build(storage=tmp_path / "t", cache_rows=cache_rows)
+    return memory, OPTIMIZERS[optimizer](memory.parameters()), disk, OPTIMIZERS[optimizer](disk.parameters())
+
+
+def _assert_same(memory, memory_opt, disk, disk_opt):
+    assert torch.equal(disk.weight, memory.weight)
+    expected, got = state_tensors(memory_opt), state_tensors(disk_opt)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+
+
+@pytest.mark.parametrize("optimizer", ["sparse_adam", "sparse_adam_int8", "rowwise_adagrad"])
+def test_a_missed_row_is_one_read_and_an_evicted_row_one_write_with_the_bits_of_memory(tmp_path, optimizer, moves):
+    memory, memory_opt, disk, disk_opt = _pair(tmp_path, optimizer)
+    train(memory, memory_opt, 2)
+    train(disk, disk_opt, 2)  # the state is made, and the records file with it
+    before, moves_before = dict(disk.cache_stats), dict(moves)
+    train(memory, memory_opt, 10, seed=2)
+    train(disk, disk_opt, 10, seed=2)
+    stats = {k: disk.cache_stats[k] - before[k] for k in ("fetches", "evictions", "bypassed")}
+    steps = {k: moves[k] - moves_before.get(k, 0) for k in moves}
+    assert stats["bypassed"] > 0 and stats["fetches"] > 0
+    # Each missed row read once, whole (a bypassed row's forward read kept
+    # for its update), each evicted or bypassed row written once; the
+    # tensors' own files untouched until a flush.
+    assert steps.get(("read", "records"), 0) == stats["fetches"] + stats["bypassed"]
+    assert steps.get(("write", "records"), 0) == stats["evictions"] + stats["bypassed"]
+    assert {k: v for k, v in steps.items() if k[1] != "records" and v} == {}
+    _assert_same(memory, memory_opt, disk, disk_opt)
+    disk.flush_cache()
+    raw = torch.from_file(str(tmp_path / "t" / "weight.bin"), size=ROWS * 128).view(ROWS, 128)
+    assert torch.equal(raw, memory.weight)
+
+
+def test_the_records_file_goes_with_the_table_and_one_left_by_a_dead_process_at_the_next_open(tmp_path):
+    _, _, disk, disk_opt = _pair(tmp_path, "sparse_adam")
+    train(disk, disk_opt, 5)
+    assert any(name.endswith("-records.bin") for name in os.listdir(tmp_path / "t"))
+    del disk, disk_opt
+    gc.collect()
+    assert sorted(os.listdir(tmp_path / "t")) == ["table.json", "weight.bin"]
+    (tmp_path / "t" / "state-999999-1-records.bin").write_bytes(bytes(4096))
+    again = build(storage=tmp_path / "t", cache_rows=20)
+    assert sorted(os.listdir(tmp_path / "t")) == ["table.json", "weight.bin"]
+    del again
+
+
+def test_loads_into_a_table_whose_records_hold_newer_rows_give_the_bits_of_memory(tmp_path):
+    """A checkpoint loaded mid-training (the weight rewritten whole, the
+    optimizer's state replaced) while the records file holds rows newer
+    than the tensors' files: the loaded values win, the rest are kept."""
+    memory, memory_opt, disk, disk_opt = _pair(tmp_path, "sparse_adam")
+    train(memory, memory_opt, 3)
+    hostembed.save(tmp_path / "ckpt", memory, memory_opt)
+    train(memory, memory_opt, 2, seed=3)
+    train(disk, disk_opt, 5)
+    for emb, opt in ((memory, memory_opt), (disk, disk_opt)):
+        hostembed.load(tmp_path / "ckpt", emb, opt)
+        train(emb, opt, 4, seed=4)
+    _assert_same(memory, memory_opt, disk, disk_opt)
+
+
+def test_a_new_optimizer_on_a_table_whose_records_hold_its_rows_gives_the_bits_of_memory(tmp_path):
+    """A second optimizer (other state) after SparseAdam: the records of the
+    first one's rows are written back, and new records made for the new."""
+    memory, memory_opt, disk, disk_opt = _pair(tmp_path, "sparse_adam")
+    train(memory, memory_opt, 4)
+    train(disk, disk_opt, 4)
+    memory_opt = OPTIMIZERS["rowwise_adagrad"](memory.parameters())
+    disk_opt = OPTIMIZERS["rowwise_adagrad"](disk.parameters())
+    train(memory, memory_opt, 4, seed=5)
+    train(disk, disk_opt, 4, seed=5)
+    _assert_same(memory, memory_opt, disk, disk_opt)
+
+
+def test_a_records_file_that_cannot_be_made_warns_and_rows_move_file_by_file(tmp_path, monkeypatch, moves):
+    def full(self, record_bytes):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(table_files.TableFiles, "new_records", full)
+    memory, memory_opt, disk, disk_opt = _pair(tmp_path, "sparse_adam")
+    train(memory, memory_opt, 6)
+    with pytest.warns(RuntimeWarning, match="records file .* could not be made .*No space left"):
+        train(disk, disk_opt, 6)
+    assert moves["read", "state"] > 0 and moves.get(("read", "records"), 0) == 0
+    _assert_same(memory, memory_opt, disk, disk_opt)
