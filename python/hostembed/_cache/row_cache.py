@@ -271,7 +271,7 @@ class RowCache:
         try:
             # The evicted records stay theirs (row_of_slot) until every
             # write is done: if one fails, flush() still has them.
-            self.store.write(plan.evict_row, {key: _take(self.cached[key], evict_slot) for key in self.host})
+            self.store.write(plan.evict_row, self.host, lambda key: _take(self.cached[key], evict_slot))
             self.moved["written_back_bytes"] += plan.evict_row.numel() * self._record_bytes()
             self._seen()
             self.row_of_slot[evict_slot] = -1
@@ -306,8 +306,7 @@ class RowCache:
 
     def _fetch(self, plan, which):
         rows, slots = plan.fetch_row[which], plan.fetch_slot[which].long()
-        for key, values in self.store.read(self.host, rows).items():
-            self.cached[key][slots] = values
+        self.store.read_into(self.host, rows, lambda key, values: self.cached[key].__setitem__(slots, values))
         self.row_of_slot[slots] = rows
         self.moved["fetched_bytes"] += rows.numel() * self._record_bytes()
 
@@ -398,7 +397,7 @@ class RowCache:
     def _write_unwritten(self):
         while self.unwritten:
             rows, values = self.unwritten[0]
-            self.store.write(rows, values)
+            self.store.write(rows, values, values.__getitem__)
             self.unwritten.pop(0)
 
     @_ordered

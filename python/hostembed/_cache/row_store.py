@@ -55,9 +55,16 @@ class HostRows:
         """{key: hosts[key][rows]} (distinct rows)."""
         return {key: take(self.hosts[key], rows) for key in keys}
 
-    def write(self, rows: Tensor, values: dict) -> None:
-        for key, value in values.items():
-            self.hosts[key][rows] = value
+    def read_into(self, keys, rows: Tensor, put) -> None:
+        """put(key, hosts[key][rows]) for each key, one at a time: each
+        in scratch memory (take) that the next reuses once put lets go."""
+        for key in keys:
+            put(key, take(self.hosts[key], rows))
+
+    def write(self, rows: Tensor, keys, value_of) -> None:
+        """hosts[key][rows] = value_of(key) for each key, one at a time."""
+        for key in keys:
+            self.hosts[key][rows] = value_of(key)
 
     def unflushed(self, key) -> bool:
         return False
@@ -172,8 +179,7 @@ class FileRows:
         self.records, self.fields = records, fields
         try:
             for chunk in torch.arange(self.files.num_rows).split(_CHUNK_ROWS):
-                records.write(chunk, self._join({key: self._home_read(key, chunk) for key, *_ in fields},
-                                                chunk.numel()))
+                records.write(chunk, self._join(lambda key: self._home_read(key, chunk), chunk.numel()))
         finally:
             self.records, self.fields = None, ()
 
@@ -183,13 +189,13 @@ class FileRows:
         return {key: buffer[:, offset:offset + nbytes].view(dtype).view(n, *shape)
                 for key, offset, nbytes, dtype, shape in self.fields}
 
-    def _join(self, values, n, order=None):
-        """Records of values (by key; rows in `order` if given)."""
+    def _join(self, value_of, n, order=None):
+        """Records of each field's value_of(key) (rows in `order` if given)."""
         buffer = torch.empty((n, self.records.width), dtype=torch.uint8)
         end = 0
         for key, offset, nbytes, _, _ in self.fields:
             buffer[:, end:offset] = 0  # padding: the file's bytes are the values' alone
-            field = values[key].reshape(n, -1).view(torch.uint8)
+            field = value_of(key).reshape(n, -1).view(torch.uint8)
             buffer[:, offset:offset + nbytes] = field if order is None else field[order]
             end = offset + nbytes
         buffer[:, end:] = 0
@@ -260,30 +266,36 @@ class FileRows:
             out[key][elsewhere] = self._home_read(key, rows[elsewhere])
         return out
 
-    def write(self, rows: Tensor, values: dict) -> None:
-        """Rows' values (distinct rows): every field at once goes to the
-        records file (one write a row); fewer go to their files, and
-        those rows' records are given up (flushed first)."""
+    def read_into(self, keys, rows: Tensor, put) -> None:
+        """put(key, values) for each key (as read() gives them)."""
+        for key, values in self.read(keys, rows).items():
+            put(key, values)
+
+    def write(self, rows: Tensor, keys, value_of) -> None:
+        """Rows' value_of(key) for each key (distinct rows): every field
+        at once goes to the records file (one write a row); fewer go to
+        their files, and those rows' records are given up (flushed first)."""
         if not rows.numel():
             return
         self._kept = None
         self.files.set_clean(False)  # the files will not hold the whole table until a flush
+        whole = set(keys) == set(self.hosts)
         records = self._current()
-        if records is None and set(values) == set(self.hosts):
+        if records is None and whole:
             records = self._make()
-        if records is not None and set(values) == set(self.hosts):
+        if records is not None and whole:
             order = None
             if not _ascending(rows):  # joined in the file's order: the write copies nothing more
                 order = torch.argsort(rows)
                 rows = rows[order]
-            records.write(rows, self._join(values, rows.numel(), order))
+            records.write(rows, self._join(value_of, rows.numel(), order))
             # Set once written: a failed write leaves the old record the
             # row's (the cache keeps its copy and writes it again).
-            self.flags[rows] = _VALID | self._bits(values)
+            self.flags[rows] = _VALID | self._bits(keys)
             return
         self.forget(rows=rows)
-        for key, value in values.items():
-            self._home_write(key, rows, value)
+        for key in keys:
+            self._home_write(key, rows, value_of(key))
 
     def unflushed(self, key) -> bool:
         """Whether rows of `key` in the records file are newer than its file."""
