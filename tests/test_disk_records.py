@@ -7,9 +7,12 @@ import collections
 import errno
 import gc
 import os
+import tempfile
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hostembed
 from hostembed._core import table_files
@@ -77,6 +80,21 @@ def test_a_missed_row_is_one_read_and_an_evicted_row_one_write_with_the_bits_of_
     assert torch.equal(raw, memory.weight)
 
 
+def test_write_backs_of_the_weight_then_of_everything_keep_the_caches_newer_rows(tmp_path):
+    """Rows evicted (their records newer than the files), fetched again and
+    updated in the cache: a write-back of the weight alone (reading
+    `weight`), then of everything, leaves each field's newest values in
+    its file, not an older record's."""
+    memory, memory_opt, disk, disk_opt = _pair(tmp_path, "sparse_adam", cache_rows=8)
+    for emb, opt in ((memory, memory_opt), (disk, disk_opt)):
+        train(emb, opt, 12, count=40)
+    assert torch.equal(disk.weight, memory.weight)  # the weight written back
+    disk.flush_cache()  # then the state
+    raw = torch.from_file(str(tmp_path / "t" / "weight.bin"), size=ROWS * 128).view(ROWS, 128)
+    assert torch.equal(raw, memory.weight)
+    _assert_same(memory, memory_opt, disk, disk_opt)
+
+
 def test_the_records_file_goes_with_the_table_and_one_left_by_a_dead_process_at_the_next_open(tmp_path):
     _, _, disk, disk_opt = _pair(tmp_path, "sparse_adam")
     train(disk, disk_opt, 5)
@@ -129,3 +147,51 @@ def test_a_records_file_that_cannot_be_made_warns_and_rows_move_file_by_file(tmp
         train(disk, disk_opt, 6)
     assert moves["read", "state"] > 0 and moves.get(("read", "records"), 0) == 0
     _assert_same(memory, memory_opt, disk, disk_opt)
+
+
+_HOT = 48  # the rows the sequences touch: each is missed, evicted and written again
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("step"), st.integers(1, 40), st.integers(0, 9)),
+    st.tuples(st.just("flush")),
+    st.tuples(st.just("read_weight")),
+    st.tuples(st.just("write_row"), st.integers(0, _HOT - 1)),
+    st.tuples(st.just("checkpoint")),
+    st.tuples(st.just("optimizer"), st.sampled_from(["sparse_adam", "rowwise_adagrad", "sparse_adam_int8"])),
+), min_size=1, max_size=12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=_OPS)
+def test_any_sequence_of_steps_write_backs_writes_loads_and_new_optimizers_keeps_the_bits_of_memory(ops):
+    """The records file's coherence with the tensors' files (rows newer in
+    one or the other, given up, written back, superseded by a load or a
+    write through torch) against the same table in memory."""
+    with tempfile.TemporaryDirectory() as directory:
+        memory, disk = build(), build(storage=os.path.join(directory, "t"), cache_rows=8)
+        pair = [[memory, OPTIMIZERS["sparse_adam"](memory.parameters())],
+                [disk, OPTIMIZERS["sparse_adam"](disk.parameters())]]
+        for op in [("step", 30, 0)] + ops:
+            for emb_opt in pair:
+                emb, opt = emb_opt
+                if op[0] == "step":
+                    gen = torch.Generator().manual_seed(op[2])
+                    ids = torch.randint(0, _HOT, (op[1],), generator=gen)
+                    opt.zero_grad()
+                    (emb(ids) - 0.5).pow(2).sum().backward()
+                    opt.step()
+                elif op[0] == "flush":
+                    emb.flush_cache()
+                elif op[0] == "read_weight":
+                    emb.weight.sum()
+                elif op[0] == "write_row":
+                    with torch.no_grad():
+                        emb.weight[op[1]] = float(op[1])
+                elif op[0] == "checkpoint":
+                    path = os.path.join(directory, f"ckpt-{emb is disk}")
+                    hostembed.save(path, emb, opt)
+                    hostembed.load(path, emb, opt)
+                else:
+                    emb_opt[1] = OPTIMIZERS[op[1]](emb.parameters())
+        _assert_same(memory, pair[0][1], disk, pair[1][1])
+        del pair, memory, disk
+        gc.collect()
