@@ -110,6 +110,71 @@ def test_compile_fullgraph_matches_eager():
     compile_matches_eager("cpu")
 
 
+def _tied_pair(tied):
+    """torch's embedding and output projection, and a copy with the table
+    replaced by hostembed's (the tie kept), as a language model has them."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(200, 8), nn.Linear(8, 200, bias=False)
+    if tied:
+        head.weight = emb.weight
+    reference = nn.ModuleDict({"emb": emb, "head": head})
+    ours = copy.deepcopy(reference)
+    hostembed.replace_embeddings(ours)
+    return reference, ours
+
+
+def _lm_loss(model, ids):
+    return F.cross_entropy(model["head"](model["emb"](ids)).flatten(0, 1), ids.flatten())
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_compiled_model_with_a_table_tied_or_not_trains_as_torch_with_no_graph_break(tied, fullgraph):
+    """The lookup's backward inside the compiled graph: no graph break
+    (inductor has no sparse outputs; a tie would add a sparse and a dense
+    gradient in the graph), the gradient accumulated over two backward
+    passes as torch's (row-sparse, or dense with the tie), then trained."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    reference, ours = _tied_pair(tied)
+    step = torch.compile(_lm_loss, fullgraph=fullgraph)
+    gen = torch.Generator().manual_seed(1)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, ours)]
+    for _ in range(2):
+        for _ in range(2):  # accumulated
+            ids = torch.randint(0, 200, (4, 6), generator=gen)
+            _lm_loss(reference, ids).backward()
+            step(ours, ids).backward()
+        grad = ours["emb"].weight.grad
+        assert grad.is_sparse != tied
+        torch.testing.assert_close(grad.to_dense(), reference["emb"].weight.grad, rtol=1e-6, atol=1e-7)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    assert (ours["head"].weight is ours["emb"].weight) == tied
+    torch.testing.assert_close(ours["emb"].weight.detach(), reference["emb"].weight.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_compiled_lookups_gradient_goes_to_grad_only_in_a_backward_that_accumulates_it():
+    """Compiled, the table's gradient reaches .grad when the backward pass
+    ends: not in torch.autograd.grad (which returns gradients), nor in
+    backward(inputs=...) without the table; a plain backward the eager one."""
+    torch._dynamo.reset()
+    _, ours = _tied_pair(False)
+    _, eager = _tied_pair(False)
+    ids = torch.randint(0, 200, (4, 6), generator=torch.Generator().manual_seed(2))
+    loss = torch.compile(_lm_loss)(ours, ids)
+    (head,) = torch.autograd.grad(loss, [ours["head"].weight], retain_graph=True)
+    assert head.shape == (200, 8) and ours["emb"].weight.grad is None
+    loss.backward(inputs=[ours["head"].weight], retain_graph=True)
+    assert ours["emb"].weight.grad is None
+    loss.backward()
+    _lm_loss(eager, ids).backward()
+    torch.testing.assert_close(ours["emb"].weight.grad.to_dense(), eager["emb"].weight.grad.to_dense(),
+                               rtol=1e-6, atol=1e-7)
+
+
 # ---- forked workers
 
 def _child(conn, what, emb, captured):

@@ -111,6 +111,24 @@ def test_resize_token_embeddings_then_trains_as_torchs(name, rows, mean_resizing
     torch.testing.assert_close(embeddings(model), embeddings(reference), rtol=1e-5, atol=1e-6)
 
 
+def test_a_compiled_model_trains_as_torchs_with_no_graph_break_of_its_own():
+    """GPT-2 (its table tied to the output projection) compiled whole, in
+    torch.compile's default mode: the graph breaks of torch's own model
+    (transformers' logging) and no more, and torch's losses and table."""
+    results = {}
+    for how in ("torch", "swap"):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model = build("gpt2", how)
+        compiled = torch.compile(model)
+        losses = train(compiled, lambda p: torch.optim.AdamW(p, lr=1e-2))
+        results[how] = losses, embeddings(model), sum(torch._dynamo.utils.counters["graph_break"].values())
+    assert isinstance(model.get_input_embeddings(), hostembed.Embedding)
+    assert results["swap"][2] == results["torch"][2]
+    assert results["swap"][0] == pytest.approx(results["torch"][0], rel=1e-5)
+    torch.testing.assert_close(results["swap"][1], results["torch"][1], rtol=1e-5, atol=1e-6)
+
+
 class _Data(torch.utils.data.Dataset):
     def __init__(self):
         self.ids = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))

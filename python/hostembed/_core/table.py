@@ -377,8 +377,16 @@ class HostTable:
         return tensor
 
     def bind(self, param):
-        """Makes table_of(param) find this table."""
+        """Makes table_of(param) find this table, and parameter() find
+        param (the weight bound last: a compiled lookup's gradient goes
+        there, ops/compiled_grad.py)."""
         _tables[param] = self
+        self._parameter = weakref.ref(param)
+
+    def parameter(self):
+        """The weight parameter bound last, or None (gone, or none yet)."""
+        ref = getattr(self, "_parameter", None)
+        return None if ref is None else ref()
 
     def check_process(self):
         if self.pid != _pid:

@@ -10,7 +10,8 @@ from torch import Tensor
 
 from .. import _C
 from .. import fused as _fused
-from ..table import DTYPE_CODES, compute_dtype, host_table_of
+from . import compiled_grad as _compiled_grad
+from ..table import DTYPE_CODES, compute_dtype, host_table_of, table_by_handle
 from .common import address, applier, cpu_ids_args, custom_op, float_rows, functorch_active, scratch, weight_grad
 
 
@@ -44,8 +45,11 @@ def rows_at(tensor: Tensor, index: Tensor) -> Tensor:
 
 @custom_op("hostembed::lookup", mutates_args=())
 def lookup(weight: Tensor, ids: Tensor, padding_idx: int, max_norm: Optional[float], norm_type: float,
-           scale_grad_by_freq: bool, sparse: bool) -> Tensor:
+           scale_grad_by_freq: bool, sparse: bool, grad_handle: int = -1) -> Tensor:
     """weight[ids] by the core's threads, on the CPU.
+
+    grad_handle (traced code): the table's HostTable.handle, where its
+    row-sparse gradient goes through compiled_grad.take_grad.
 
     With max_norm the referenced rows are first renormed in place, outside
     autograd, as torch's embedding does. The op does not declare that write:
@@ -107,7 +111,7 @@ def gather_later(weight, ids):
 
 
 @lookup.op.register_fake
-def _(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+def _(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse, grad_handle=-1):
     return weight.new_empty(*ids.shape, weight.shape[1])
 
 
@@ -165,6 +169,25 @@ def _(ids, grad, num_rows, padding_idx, scale_grad_by_freq):
             torch.empty(unique, grad.shape[-1], dtype=compute_dtype(grad.dtype), device="cpu"))
 
 
+@custom_op("hostembed::take_grad", mutates_args=())
+def take_grad(ids: Tensor, grad: Tensor, handle: int, padding_idx: int, scale_grad_by_freq: bool) -> None:
+    """A compiled lookup's backward (compiled_grad): grad's rows summed per
+    id, as grad_reduce, for the table `handle`; the sums go to its weight's
+    .grad when the backward pass ends."""
+    table = table_by_handle(handle, "a compiled lookup's backward")
+    indices, values = reduce_rows(ids, grad, table.num_rows, padding_idx, scale_grad_by_freq, rounded=True)
+    _compiled_grad.keep(handle, indices, values)
+
+
+@take_grad.op.register_fake
+def _(ids, grad, handle, padding_idx, scale_grad_by_freq):
+    return None
+
+
+# Whether compiled lookups give their table's gradient through take_grad.
+COMPILED_GRAD = _compiled_grad.register_effect(take_grad.op)
+
+
 # The tables whose row-sparse gradient backward leaves a row a position,
 # as torch's embedding backward does: the optimizers sum repeated rows in
 # their own sort (hostembed's in the update's pass, with no sums written
@@ -193,7 +216,9 @@ def position_rows(ids, grad_out, dim, padding_idx):
 
 
 def lookup_setup(ctx, inputs, output):
-    weight, ids, padding_idx, _, _, scale_grad_by_freq, sparse = inputs
+    weight, ids, padding_idx, _, _, scale_grad_by_freq, sparse = inputs[:7]
+    ctx.grad_handle = inputs[7] if len(inputs) > 7 else -1
+    ctx.num_inputs = len(inputs)
     ctx.save_for_backward(ids)
     ctx.table_shape = tuple(weight.shape)
     ctx.table_dtype = weight.dtype
@@ -205,23 +230,29 @@ def lookup_backward(ctx, grad_out):
     num_rows, dim = ctx.table_shape
     padding_idx, scale_grad_by_freq, sparse = ctx.spec
     grad = None
+    rest = (None,) * (ctx.num_inputs - 1)
+    if ctx.needs_input_grad[0] and sparse and ctx.grad_handle >= 0 and torch.compiler.is_compiling():
+        # No sparse gradient out of a compiled graph: it goes to .grad when
+        # the backward pass ends (compiled_grad).
+        take_grad.op(ids, grad_out, ctx.grad_handle, padding_idx, scale_grad_by_freq)
+        return (None,) + rest
     if ctx.needs_input_grad[0]:
         dedup = getattr(ctx, "dedup", None)
         table = getattr(ctx, "table", None)  # eager only: fused tables are looked up eagerly
         if table is not None and table.fused and _fused.take_gradient(
                 table, _fused.CpuGradient(ids, grad_out, padding_idx, scale_grad_by_freq, dedup)):
-            return (None,) * 7  # applied when the backward pass ends; no weight.grad
+            return (None,) + rest  # applied when the backward pass ends; no weight.grad
         if torch.compiler.is_compiling():
             indices, values = grad_reduce.op(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq)
         elif sparse and table is not None and leaves_positions(table, scale_grad_by_freq):
             indices, values = position_rows(ids, grad_out, dim, padding_idx)
-            return torch.sparse_coo_tensor(indices.unsqueeze(0), values, (num_rows, dim), check_invariants=False), \
-                None, None, None, None, None, None
+            return (torch.sparse_coo_tensor(indices.unsqueeze(0), values, (num_rows, dim), check_invariants=False),) \
+                + rest
         else:  # with max_norm, reusing the forward's sort
             indices, values = reduce_rows(ids, grad_out, num_rows, padding_idx, scale_grad_by_freq, dedup,
                                            rounded=True)
         grad = weight_grad(indices, values, num_rows, dim, sparse, ctx.table_dtype)
-    return grad, None, None, None, None, None, None
+    return (grad,) + rest
 
 
 lookup.op.register_autograd(lookup_backward, setup_context=lookup_setup)
@@ -290,13 +321,13 @@ def torch_op_lookup(weight, ids, padding_idx, sparse, table=None):
         return torch.nn.functional.embedding(ids, weight, None if padding_idx < 0 else padding_idx, sparse=sparse)
 
 
-def embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+def embedding_lookup(weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse, grad_handle=-1):
     """weight[ids] on the CPU, differentiable (see lookup); a small call
     through torch's own op (TORCH_OP_MAX_IDS), with the same output and
-    gradient."""
+    gradient. grad_handle: see lookup (traced code only)."""
     args = (weight, ids, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
     if torch.compiler.is_compiling():
-        return lookup.op(*args)
+        return lookup.op(*args, grad_handle if COMPILED_GRAD else -1)
     grad = weight.requires_grad and torch.is_grad_enabled()
     if torch_op_serves(ids.numel(), TORCH_OP_MAX_IDS, max_norm, grad, scale_grad_by_freq, sparse):
         out = torch_op_lookup(weight, ids, padding_idx, sparse)

@@ -11,11 +11,14 @@ def lookup(module, ids, scale_grad_by_freq=None):
     module's options; scale_grad_by_freq overrides the module's."""
     if scale_grad_by_freq is None:
         scale_grad_by_freq = module.scale_grad_by_freq
-    lookup_fn = cpu_ops.fused_embedding_lookup if module._table.fused else cpu_ops.embedding_lookup
     # _parameters, not module.weight: forward checked the weight already
     # (the attribute's own checks cost as much as a small gather).
-    out = lookup_fn(module._parameters["weight"], prepare_ids(ids), padding_of(module), max_norm_of(module), float(module.norm_type),
-                    scale_grad_by_freq, module._sparse_gradient())
+    args = (module._parameters["weight"], prepare_ids(ids), padding_of(module), max_norm_of(module),
+            float(module.norm_type), scale_grad_by_freq, module._sparse_gradient())
+    if module._table.fused:
+        out = cpu_ops.fused_embedding_lookup(*args)
+    else:
+        out = cpu_ops.embedding_lookup(*args, grad_handle=module._table.handle)
     if module.output_device.type != "cpu":
         out = out.to(module.output_device)
     return out
