@@ -111,6 +111,38 @@ def test_resize_token_embeddings_then_trains_as_torchs(name, rows, mean_resizing
     torch.testing.assert_close(embeddings(model), embeddings(reference), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama_untied"])
+def test_gradient_checkpointing_trains_as_torchs(name):
+    reference, model = build(name, "torch"), build(name, "swap")
+    for m in (reference, model):
+        m.gradient_checkpointing_enable()
+        m.train()
+    ours = train(model, lambda p: torch.optim.AdamW(p, lr=1e-2))
+    theirs = train(reference, lambda p: torch.optim.AdamW(p, lr=1e-2))
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    torch.testing.assert_close(embeddings(model), embeddings(reference), rtol=1e-5, atol=1e-6)
+
+
+def test_set_input_embeddings_then_tie_weights_ties_the_new_host_table():
+    """A new table set with set_input_embeddings, and tie_weights() tying
+    the output projection to it: a hostembed table as torch's would be."""
+    reference, model = build("gpt2", "torch"), build("gpt2", "replace")
+    torch.manual_seed(5)
+    new_reference = torch.nn.Embedding(VOCAB, 16)
+    torch.manual_seed(5)
+    new = hostembed.Embedding(VOCAB, 16)
+    assert torch.equal(new.weight, new_reference.weight)
+    for m, emb in ((reference, new_reference), (model, new)):
+        m.set_input_embeddings(emb)
+        m.tie_weights()
+    assert model.get_input_embeddings() is new
+    assert model.get_output_embeddings().weight is new.weight
+    ours = train(model, lambda p: torch.optim.AdamW(p, lr=1e-2))
+    theirs = train(reference, lambda p: torch.optim.AdamW(p, lr=1e-2))
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    torch.testing.assert_close(embeddings(model), embeddings(reference), rtol=1e-5, atol=1e-6)
+
+
 def test_a_compiled_model_trains_as_torchs_with_no_graph_break_of_its_own():
     """GPT-2 (its table tied to the output projection) compiled whole, in
     torch.compile's default mode: the graph breaks of torch's own model
