@@ -156,6 +156,22 @@ def test_a_compiled_model_with_a_table_tied_or_not_trains_as_torch_with_no_graph
     torch.testing.assert_close(ours["emb"].weight.detach(), reference["emb"].weight.detach(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("options", [dict(padding_idx=3, scale_grad_by_freq=True), dict(dtype=torch.bfloat16)])
+def test_a_compiled_lookups_gradient_is_eagers_with_padding_frequency_scaling_and_half_tables(options):
+    torch._dynamo.reset()
+    tables = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        tables.append(hostembed.Embedding(50, 8, **options))
+    head = nn.Linear(8, 1)
+    step = torch.compile(lambda emb, ids: head(emb(ids).float()).pow(2).sum())
+    ids = torch.tensor([[3, 3, 0, 7], [7, 1, 3, 49]])
+    for _ in range(2):
+        step(tables[0], ids).backward()
+        head(tables[1](ids).float()).pow(2).sum().backward()
+    assert torch.equal(tables[0].weight.grad.to_dense(), tables[1].weight.grad.to_dense())
+
+
 def test_a_compiled_lookups_gradient_goes_to_grad_only_in_a_backward_that_accumulates_it():
     """Compiled, the table's gradient reaches .grad when the backward pass
     ends: not in torch.autograd.grad (which returns gradients), nor in
