@@ -69,7 +69,7 @@ class HostRows:
     def unflushed(self, key) -> bool:
         return False
 
-    def flush_homes(self, keys=None) -> None:
+    def flush_homes(self, keys=None, rows=None) -> None:
         pass
 
     def forget(self, keep=None, rows=None) -> None:
@@ -160,7 +160,7 @@ class FileRows:
                 raise
             self._refused = str(exc)
             warnings.warn(f"hostembed: the records file of the table in {self.files.path} could not be made "
-                          f"({exc}); its rows move field by field from now on, ~3x the disk requests",
+                          f"({exc}); its rows move a file at a time from now on (a disk request per tensor a row)",
                           RuntimeWarning, stacklevel=2)
             return None
         self.records, self.fields = records, fields
@@ -203,7 +203,7 @@ class FileRows:
 
     def _read_records(self, rows, whole):
         """Records of `rows` (distinct, each held by its record): those the
-        last read of part of the fields kept (see `kept`) without a read, the
+        last read of part of the fields kept (self._kept) without a read, the
         others read. A read of part of the fields keeps what it read: the
         forward reads a bypassed row's weight, and its update next reads
         the whole row."""
