@@ -132,36 +132,13 @@ class RowCache:
         """Every live record's values read from its row of `host` (its own
         file, for a table on disk: the store's records of it given up first)."""
         for slots in self._live_slot_chunks():
-            records[slots] = self._home_read(host, self.row_of_slot[slots])
+            records[slots] = self.store.home_read(host, self.row_of_slot[slots])
 
     def _live_slot_chunks(self):
         """The live slots, a chunk at a time: moving them all at once would
         copy every record (gigabytes under a memory budget) twice."""
         slots = self._live_slots()
         return slots.split(_CHUNK_ROWS)
-
-    # ---- a host tensor's own memory, or its file (Embedding(storage=...));
-    # the rows a step moves go through self.store
-
-    def _home_read(self, host, rows):
-        """host[rows] (distinct rows): for a table on disk, read from its
-        file by the core's I/O threads rather than faulted in through the
-        mapping one page at a time."""
-        row_file = None if self.table.files is None else self.table.files.row_file_of(host)
-        return _take(host, rows) if row_file is None else row_file.read(rows)
-
-    def _home_write(self, host, rows, values):
-        """host[rows] = values (distinct rows), written to the file of a
-        table on disk (the first write of a session marks its files as not
-        holding the whole table until a flush)."""
-        files = self.table.files
-        row_file = None if files is None else files.row_file_of(host)
-        if row_file is None:
-            host[rows] = values
-            return
-        if rows.numel():
-            files.set_clean(False)
-            row_file.write(rows, values)
 
     def holds_newer(self, key: str) -> bool:
         """Whether host memory (or the files) lacks updates of `key` that
@@ -411,7 +388,7 @@ class RowCache:
         for key in self.host if keys is None else keys:
             if key in self.dirty:
                 for slots in self._live_slot_chunks():
-                    self._home_write(self.host[key], self.row_of_slot[slots], self.cached[key][slots])
+                    self.store.home_write(self.host[key], self.row_of_slot[slots], self.cached[key][slots])
                     self.moved["written_back_bytes"] += slots.numel() * self.cached[key][:1].nbytes
                 self.dirty.discard(key)
         self._seen()

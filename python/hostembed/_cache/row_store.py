@@ -51,6 +51,13 @@ class HostRows:
     def __init__(self, hosts):
         self.hosts = hosts
 
+    def home_read(self, host, rows: Tensor) -> Tensor:
+        """host[rows] (distinct rows) of a host tensor, from its own memory."""
+        return take(host, rows)
+
+    def home_write(self, host, rows: Tensor, values: Tensor) -> None:
+        host[rows] = values
+
     def read(self, keys, rows: Tensor) -> dict:
         """{key: hosts[key][rows]} (distinct rows)."""
         return {key: take(self.hosts[key], rows) for key in keys}
@@ -97,18 +104,29 @@ class FileRows:
 
     # ---- the tensors' files
 
-    def _home_read(self, key, rows):
-        host = self.hosts[key]
+    def home_read(self, host, rows: Tensor) -> Tensor:
+        """host[rows] (distinct rows) of a host tensor, from its own file, by
+        the core's I/O threads rather than faulted in through the mapping
+        one page at a time (or from its memory, if it has no file)."""
         row_file = self.files.row_file_of(host)
         return take(host, rows) if row_file is None else row_file.read(rows)
 
-    def _home_write(self, key, rows, values):
-        host = self.hosts[key]
+    def home_write(self, host, rows: Tensor, values: Tensor) -> None:
+        """host[rows] = values (distinct rows), in its own file (the first
+        write of a session marks the files as not holding the whole table
+        until a flush)."""
         row_file = self.files.row_file_of(host)
         if row_file is None:
             host[rows] = values
         elif rows.numel():
+            self.files.set_clean(False)
             row_file.write(rows, values)
+
+    def _home_read(self, key, rows):
+        return self.home_read(self.hosts[key], rows)
+
+    def _home_write(self, key, rows, values):
+        self.home_write(self.hosts[key], rows, values)
 
     # ---- the records file
 
@@ -207,10 +225,10 @@ class FileRows:
         others read. A read of part of the fields keeps what it read: the
         forward reads a bypassed row's weight, and its update next reads
         the whole row."""
-        found = torch.zeros(rows.shape, dtype=torch.bool)
         if self._kept is not None and whole and torch.equal(self._kept[0], rows):
             buffer, self._kept = self._kept[1], None  # the usual update after its forward: no copy
             return buffer
+        found = torch.zeros(rows.shape, dtype=torch.bool)
         if self._kept is not None:
             kept_rows, kept = self._kept
             at = torch.searchsorted(kept_rows, rows).clamp(max=max(kept_rows.numel() - 1, 0))
