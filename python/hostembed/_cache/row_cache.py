@@ -257,6 +257,7 @@ class RowCache:
                 self.pending = plan.fetch_row[plan.fetch_after_update]
             else:
                 self._fetch(plan, plan.fetch_after_update)
+            self.store.start_writes()
         except OSError as exc:
             self._fail(exc)
         return plan

@@ -13,11 +13,20 @@ eviction, and get them back at a flush (flush_homes), which every reader
 of the files calls first (the cache's flush: the module's `weight`,
 state_dict(), hostembed.save, the table's end). The records file holds
 the optimizer's life, like the state files, and is removed with the table.
+
+An eviction's write goes on in the background (one at a time), from when
+the step's misses are read until the cache next moves rows to the files
+(settle: the next step's evictions, a flush); a read of a row still being
+written waits for it. A write that fails gives its rows to their own files
+and its error is raised by that next move, before it changes anything:
+nothing of the completed steps is lost.
 """
 import errno
 import os
+import threading
 import warnings
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -36,6 +45,28 @@ _CHUNK_ROWS = 1 << 13
 # records file was made, and nothing wrote the homes since).
 _VALID = 0x80
 _MAX_FIELDS = 7
+
+# The one thread that writes evicted records while the steps go on (made
+# at the first such write; every table's writes take turns on it).
+_writer = None
+_writer_lock = threading.Lock()
+
+
+def _write_behind(function, *args):
+    global _writer
+    with _writer_lock:
+        if _writer is None:
+            _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hostembed-records-writer")
+    try:
+        return _writer.submit(function, *args)
+    except RuntimeError:  # the interpreter is exiting (the table's last write-back): written in line
+        future = Future()
+        try:
+            function(*args)
+            future.set_result(None)
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
 
 
 def take(tensor, index):
@@ -73,6 +104,12 @@ class HostRows:
         for key in keys:
             self.hosts[key][rows] = value_of(key)
 
+    def start_writes(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
     def unflushed(self, key) -> bool:
         return False
 
@@ -101,6 +138,16 @@ class FileRows:
         # (sorted rows, their records) read by the last read of part of the
         # fields, or None; dropped by any write (_read_records says why).
         self._kept = None
+        # [(sorted rows, their records, future)] of the write going on in
+        # the background, or [None]: a list the records file's finalizer
+        # shares, so that it never closes the file under that write.
+        self._writing = [None]
+        # (rows, records) whose background write failed, until their fields
+        # are in the homes (_rescue): their newest values are only here.
+        self._stranded = []
+        # (sorted rows, their records, the records file) of a write not
+        # started yet (start_writes).
+        self._queued = None
 
     # ---- the tensors' files
 
@@ -183,7 +230,7 @@ class FileRows:
             return None
         self.records, self.fields = records, fields
         self.flags = torch.full((self.files.num_rows,), _VALID, dtype=torch.uint8)
-        self._remove = weakref.finalize(self, _remove, records)
+        self._remove = weakref.finalize(self, _remove, records, self._writing)
         # Not at the interpreter's exit before the table's own write-back
         # (row_cache.flush_when_done), which reads it: it goes with this.
         self._remove.atexit = False
@@ -267,6 +314,7 @@ class FileRows:
             raise OSError(errno.ENOENT, f"hostembed: {self.files.weight.path}: the file was removed while the "
                                         "table was open (its rows live only as long as this process); save a "
                                         "checkpoint of the table now")
+        self._wait_for(rows)
         in_records = None if records is None else (self.flags[rows] & _VALID) != 0
         if in_records is None or not bool(in_records.any()):
             return {key: self._home_read(key, rows) for key in keys}
@@ -295,6 +343,7 @@ class FileRows:
         their files, and those rows' records are given up (flushed first)."""
         if not rows.numel():
             return
+        self.settle()
         self._kept = None
         self.files.set_clean(False)  # the files will not hold the whole table until a flush
         whole = set(keys) == set(self.hosts)
@@ -306,14 +355,67 @@ class FileRows:
             if not _ascending(rows):  # joined in the file's order: the write copies nothing more
                 order = torch.argsort(rows)
                 rows = rows[order]
-            records.write(rows, self._join(value_of, rows.numel(), order))
-            # Set once written: a failed write leaves the old record the
-            # row's (the cache keeps its copy and writes it again).
+            buffer = self._join(value_of, rows.numel(), order)
+            # Set now: until the write is done, reads of these rows wait for
+            # it (read), and one that fails gives them back to their homes
+            # (settle).
             self.flags[rows] = _VALID | self._bits(keys)
+            self._queued = (rows, buffer, records)
             return
         self.forget(rows=rows)
         for key in keys:
             self._home_write(key, rows, value_of(key))
+
+    def start_writes(self) -> None:
+        """Starts the queued write in the background: after the step's
+        misses are read (reads and writes at once were slower than one after
+        the other on this project's disk), while the step computes."""
+        if self._queued is not None:
+            rows, buffer, records = self._queued
+            self._queued = None
+            self._writing[0] = (rows, buffer, _write_behind(records.write, rows, buffer))
+
+    def settle(self) -> None:
+        """Waits for the write going on in the background (starting a queued
+        one first). If it failed, its rows go to their homes (the records
+        file no longer holds them) and its error is raised: the caller stops
+        before it changes anything."""
+        self.start_writes()
+        job = self._writing[0]
+        if job is None:
+            return
+        rows, buffer, future = job
+        self._writing[0] = None
+        error = future.exception()
+        if error is None:
+            return
+        self.flags[rows] = 0
+        self._stranded.append((rows, buffer))
+        try:
+            self._rescue()
+        except OSError:
+            pass  # kept: the next flush writes them, or raises
+        try:
+            raise error
+        finally:
+            # No cycle through this frame (the error's traceback holds it):
+            # the table's files close when the module goes, without a gc.
+            error = job = future = None
+
+    def _rescue(self) -> None:
+        """The rows of failed background writes written to their homes."""
+        while self._stranded:
+            rows, buffer = self._stranded[0]
+            read = self._split(buffer)
+            for key, *_ in self.fields:
+                self._home_write(key, rows, read[key])
+            self._stranded.pop(0)
+
+    def _wait_for(self, rows: Tensor) -> None:
+        """Settles first where rows are among those being written."""
+        busy = [job[0] for job in (self._queued, self._writing[0]) if job is not None]
+        if any(bool(torch.isin(rows, written).any()) for written in busy):
+            self.settle()
 
     def unflushed(self, key) -> bool:
         """Whether rows of `key` in the records file are newer than its file."""
@@ -326,6 +428,8 @@ class FileRows:
         """The records' fields of `keys` (all by default) newer than their
         files written there (of `rows` only, if given); the records stay."""
         self._kept = None  # the homes change (and the caller may write them next)
+        self.settle()
+        self._rescue()
         if self.records is None:
             return
         bits = self._bits(self.hosts if keys is None else keys)
@@ -377,7 +481,10 @@ def _ascending(rows):
     return rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())
 
 
-def _remove(row_file):
+def _remove(row_file, writing=(None,)):
+    job = writing[0]
+    if job is not None:
+        job[2].exception()  # its error, if any, was the table's; the file goes either way
     row_file.close()
     try:
         os.unlink(row_file.path)
