@@ -192,6 +192,34 @@ def test_a_failed_background_write_stops_the_next_step_and_loses_nothing(tmp_pat
     _assert_same(memory, memory_opt, disk, disk_opt)
 
 
+def test_rows_of_a_failed_background_write_whose_own_files_fail_too_are_written_by_the_next_flush(
+        tmp_path, monkeypatch):
+    memory, memory_opt, disk, disk_opt = _pair(tmp_path, "sparse_adam")
+    train(memory, memory_opt, 6)
+    train(disk, disk_opt, 6)
+    disk._table.cache.store.settle()
+    failed = []
+    write = table_files.RowFile.write
+
+    def failing(self, rows, values):
+        # The first records write, then the first write of a table's own
+        # file after it (the rows' way back), fail.
+        records = self.path.endswith("-records.bin")
+        if len(failed) == (0 if records else 1):
+            failed.append(self.path)
+            raise OSError(errno.EIO, f"injected: {os.path.basename(self.path)}")
+        return write(self, rows, values)
+
+    monkeypatch.setattr(table_files.RowFile, "write", failing)
+    train(memory, memory_opt, 1, seed=7)
+    with pytest.raises(OSError, match="injected: state-.*-records.bin"):
+        train(disk, disk_opt, 1, seed=7)
+        train(disk, disk_opt, 1, seed=8)
+    assert len(failed) == 2
+    disk.flush_cache()
+    _assert_same(memory, memory_opt, disk, disk_opt)
+
+
 def test_a_records_file_that_cannot_be_made_warns_and_rows_move_file_by_file(tmp_path, monkeypatch, moves):
     def full(self, record_bytes):
         raise OSError(errno.ENOSPC, "No space left on device")

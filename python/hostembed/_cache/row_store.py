@@ -379,7 +379,10 @@ class FileRows:
         """Waits for the write going on in the background (starting a queued
         one first). If it failed, its rows go to their homes (the records
         file no longer holds them) and its error is raised: the caller stops
-        before it changes anything."""
+        before it changes anything. Rows of an earlier failed write go to
+        their homes first (or its error is raised again): nothing reads or
+        writes a row's older values past them."""
+        self._rescue()
         self.start_writes()
         job = self._writing[0]
         if job is None:
@@ -412,7 +415,10 @@ class FileRows:
             self._stranded.pop(0)
 
     def _wait_for(self, rows: Tensor) -> None:
-        """Settles first where rows are among those being written."""
+        """Settles first where rows are among those being written, or
+        stranded by a failed write."""
+        if self._stranded:
+            self._rescue()
         busy = [job[0] for job in (self._queued, self._writing[0]) if job is not None]
         if any(bool(torch.isin(rows, written).any()) for written in busy):
             self.settle()
@@ -429,7 +435,6 @@ class FileRows:
         files written there (of `rows` only, if given); the records stay."""
         self._kept = None  # the homes change (and the caller may write them next)
         self.settle()
-        self._rescue()
         if self.records is None:
             return
         bits = self._bits(self.hosts if keys is None else keys)
