@@ -377,6 +377,7 @@ class RowCache:
             rows, values = self.unwritten[0]
             self.store.write(rows, values, values.__getitem__)
             self.unwritten.pop(0)
+        self.store.start_writes()  # no read follows in this step
 
     @_ordered
     def flush(self, keys=None) -> None:

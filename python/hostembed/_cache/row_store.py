@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .._core.ops.cpu import rows_at
+from .._core.table_files import ascending
 
 # A record's fields start at multiples of this (a field read as its dtype
 # needs its alignment).
@@ -292,7 +293,7 @@ class FileRows:
             self._kept = None  # used: it would only hold memory
         else:
             order = torch.argsort(rows)
-            self._kept = (rows[order], buffer[order]) if not _ascending(rows) else (rows, buffer)
+            self._kept = (rows[order], buffer[order]) if not ascending(rows) else (rows, buffer)
         return buffer
 
     def _bits(self, keys):
@@ -352,7 +353,7 @@ class FileRows:
             records = self._make()
         if records is not None and whole:
             order = None
-            if not _ascending(rows):  # joined in the file's order: the write copies nothing more
+            if not ascending(rows):  # joined in the file's order: the write copies nothing more
                 order = torch.argsort(rows)
                 rows = rows[order]
             buffer = self._join(value_of, rows.numel(), order)
@@ -480,10 +481,6 @@ class FileRows:
         self.forget(keep)
         self._remove()
         self.records, self.fields, self.flags, self._remove = None, (), None, None
-
-
-def _ascending(rows):
-    return rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())
 
 
 def _remove(row_file, writing=(None,)):

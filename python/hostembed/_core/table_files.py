@@ -186,7 +186,7 @@ class RowFile:
         removed while open refuses reads (training stops), unless
         read_removed (rows read to be written back, and saved from there)."""
         out = torch.empty((rows.numel(), self.width), dtype=self.dtype)
-        if _ascending(rows):  # no copies (a records file's rows come sorted)
+        if ascending(rows):  # no copies (a records file's rows come sorted)
             self._move(_C.read_rows, rows, out, read_removed)
             return out.view(-1) if self.per_row else out
         ordered, order = torch.sort(rows)
@@ -197,7 +197,7 @@ class RowFile:
 
     def write(self, rows, values):
         """values' rows written to rows (distinct int64 ids)."""
-        if _ascending(rows) and values.is_contiguous():
+        if ascending(rows) and values.is_contiguous():
             self._move(_C.write_rows, rows, values)
             return
         ordered, order = torch.sort(rows)
@@ -217,7 +217,8 @@ class RowFile:
         self.fd = self.direct_fd = None
 
 
-def _ascending(rows):
+def ascending(rows):
+    """Whether rows are strictly ascending (distinct and sorted)."""
     return rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())
 
 
