@@ -14,10 +14,12 @@ the dense gradient the tie left there). The same values as eager mode.
 What differs from eager mode: the table's part reaches .grad at the end of
 the backward pass, not when its node runs (a hook on the weight does not
 see it), and only through .backward(): torch.autograd.grad does not
-return it (nor does it touch .grad).
+return it (nor does it touch .grad). A backward pass that raises gives the
+table nothing (eager mode may have added its part before the error).
 """
 import functools
 import threading
+import weakref
 
 import torch
 from torch import Tensor
@@ -34,8 +36,9 @@ def keep(handle: int, indices: Tensor, values: Tensor) -> None:
     with _lock:
         parts = _pending.get(task)
         if parts is None:
-            parts = _pending[task] = {}
-            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_accumulate, task))
+            parts = _pending[task] = _Sums()
+            # The callback holds the only strong reference (see _pending).
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_accumulate, parts))
         parts.setdefault(handle, []).append((indices, values))
 
 
@@ -51,9 +54,17 @@ def register_effect(op) -> bool:
     return True
 
 
-# Backward pass (graph task id) -> {table handle: [(indices, values), ...]};
-# a pass that raises before its end leaves its entry.
-_pending = {}
+class _Sums(dict):
+    """{table handle: [(indices, values), ...]} of one backward pass; a
+    class only because a plain dict cannot be weakly referenced."""
+
+
+# Backward pass (graph task id) -> its _Sums, weakly: the only strong
+# reference is the callback queued on torch's graph task, which torch drops
+# with the task whether it ran or not. A backward that raises never runs
+# its callbacks, so holding the sums here would keep them for good; held
+# this way its entry goes when torch frees the failed task.
+_pending = weakref.WeakValueDictionary()
 _lock = threading.Lock()
 
 
@@ -71,10 +82,12 @@ def _accumulates(param):
         return False
 
 
-def _accumulate(task):
+def _accumulate(parts):
     with _lock:
-        parts = _pending.pop(task, {})
-    for handle, sums in parts.items():
+        # Emptied so that the tensors go now, not when torch frees the task.
+        sums_by_table = dict(parts)
+        parts.clear()
+    for handle, sums in sums_by_table.items():
         try:
             table = table_by_handle(handle, "a compiled lookup's backward")
         except RuntimeError:  # dropped since its forward: no weight to give a gradient

@@ -8,9 +8,17 @@ these keep them working unchanged.
 
 Each works on the coalesced values: a sparse gradient may hold a row more
 than once (several lookups, several backward() calls), and its norm and
-its clamp are those of the summed rows, as of the dense gradient. A key
-torch already serves is left to torch.
+its clamp are those of the summed rows, as of the dense gradient.
+
+An op that torch already serves for a key is left to torch, whether its
+kernel is registered for that key or reaches it through an alias key
+(CompositeImplicitAutograd, CompositeExplicitAutograd, ...): a later torch
+that adds such a kernel must not be overridden. Only torch's private
+dispatcher can say which kernel a key would run; where this torch lacks
+that function, nothing is registered and a warning says what won't work.
 """
+import warnings
+
 import torch
 
 _KEYS = ("SparseCPU", "SparseCUDA")
@@ -78,11 +86,38 @@ _KERNELS = {
 }
 
 
-def _register():
-    for name, kernel in _KERNELS.items():
-        for key in _KEYS:
-            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key):
-                _lib.impl(name, kernel, key)
+# torch's private question "would a call with this key run some kernel",
+# the dispatch table's computed entry: a kernel for the exact key, one
+# reached through an alias key, or a backend fallback.
+_SERVED = "_dispatch_has_computed_kernel_for_dispatch_key"
+
+_WONT_WORK = ("torch.nn.utils.clip_grad_norm_, get_total_norm and clip_grad_value_ (linalg.vector_norm, clamp_) "
+              "on row-sparse gradients (hostembed tables, nn.Embedding(sparse=True)) fail as in plain torch; "
+              "hostembed.clip_grad_norm_ still clips them")
+
+
+def _register(kernels=_KERNELS, keys=_KEYS, lib=_lib):
+    """Registers each kernel into lib for each key no kernel serves yet;
+    returns the (name, key) pairs registered. All are checked before any
+    is registered, so that a check that fails registers nothing."""
+    served = getattr(torch._C, _SERVED, None)
+    todo = []
+    try:
+        if served is None:
+            raise AttributeError(f"torch._C.{_SERVED} is missing")
+        for name, kernel in kernels.items():
+            for key in keys:
+                if not served(f"{lib.ns}::{name}", key):
+                    todo.append((name, kernel, key))
+    except (AttributeError, TypeError, RuntimeError) as exc:
+        # A private function moved or changed: guessing could override a
+        # kernel torch has, and import must not fail over an extra.
+        warnings.warn(f"hostembed: registered no sparse kernels into {lib.ns} (torch {torch.__version__}: could not "
+                      f"ask which kernels it has: {exc}); {_WONT_WORK}", RuntimeWarning, stacklevel=2)
+        return []
+    for name, kernel, key in todo:
+        lib.impl(name, kernel, key)
+    return [(name, key) for name, _, key in todo]
 
 
 _register()
