@@ -233,6 +233,35 @@ def test_state_bytes_per_parameter():
     assert (state + emb.weight.numel() * 2) / emb.weight.numel() == pytest.approx(3.0625)
 
 
+@pytest.mark.parametrize("named", [True, False])
+def test_state_bytes_prints_each_table_by_index_name_shape_and_dtype_not_its_values(named):
+    """Keyed by parameter as optimizer.state is (existing callers index it
+    so), but printed without a table's values: as state_dict() numbers the
+    parameters, with their names where the optimizer was given them."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"user": hostembed.Embedding(2000, 64), "head": torch.nn.Linear(64, 1),
+                                 "item": hostembed.Embedding(300, 16, dtype=torch.bfloat16)})
+    params = model.named_parameters() if named else model.parameters()
+    opt = hostembed.SparseAdam(params, state_dtype=torch.int8)
+    ids = torch.tensor([1, 5, 5, 1999])
+    (model["head"](model["user"](ids)).sum() + model["item"](ids % 300).float().sum()).backward()
+    opt.step()
+    got = opt.state_bytes()
+    # The reference: the bytes of every tensor the optimizer keeps for each table.
+    expected = {p: sum(t.numel() * t.element_size() for t in opt.state[p].values() if torch.is_tensor(t))
+                for p in (model["user"].weight, model["item"].weight)}
+    assert dict(got) == expected, f"expected {list(expected.values())} bytes, got {list(got.values())}"
+    assert got[model["user"].weight] == expected[model["user"].weight]
+    # user.weight, head.weight, head.bias, item.weight: the tables are params 0 and 3.
+    user = "param 0 'user.weight'" if named else "param 0"
+    item = "param 3 'item.weight'" if named else "param 3"
+    printed = (f"{{{user} [2000, 64] float32: {expected[model['user'].weight]} bytes, "
+               f"{item} [300, 16] bfloat16: {expected[model['item'].weight]} bytes}}")
+    assert repr(got) == printed and str(got) == printed, f"expected {printed!r}, printed {got!r}"
+    # The whole table printed (the default dict repr) would start "Parameter containing".
+    assert "tensor" not in repr(got).lower() and "parameter containing" not in repr(got).lower()
+
+
 # --- checkpoints --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("form", ["int8", "bf16", "int8_rowwise"])

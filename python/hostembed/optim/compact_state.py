@@ -222,3 +222,30 @@ def check_saved(value, scale, key, param, where, per_row_ok):
 def state_bytes(state):
     """Bytes of host memory the tensors of one parameter's state take."""
     return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class StateBytes(dict):
+    """{parameter: bytes of its state}, keyed as ``optimizer.state`` is, so
+    that ``opt.state_bytes()[model.emb.weight]`` finds a table's bytes.
+    Printed, a dict keyed by parameters would print every table whole; this
+    prints each as ``optimizer.state_dict()`` numbers it (its index in the
+    param groups), its name where the optimizer was given named parameters,
+    its shape and dtype."""
+
+    def __init__(self, items=(), labels=None):
+        super().__init__(items)
+        self._labels = {} if labels is None else labels
+
+    def copy(self):
+        return StateBytes(self, dict(self._labels))
+
+    def __repr__(self):
+        shown = []
+        for param, size in self.items():
+            if isinstance(param, torch.Tensor):
+                dtype = str(param.dtype).removeprefix("torch.")
+                label = f"{self._labels.get(param, 'param')} {list(param.shape)} {dtype}"
+            else:  # a key a caller added
+                label = repr(param)
+            shown.append(f"{label}: {size} bytes")
+        return "{" + ", ".join(shown) + "}"

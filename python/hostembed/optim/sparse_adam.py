@@ -13,7 +13,7 @@ from .._core.table import table_of
 from ..io import validate as _validate
 from ..io.stream import copy_rows
 from .base import check_row_sparse, keep_optimizer_wide, owned_state, restore_optimizer_wide, scalar_dtype
-from .compact_state import CODE_DTYPES, StateForm, check_saved, scale_key, state_bytes
+from .compact_state import CODE_DTYPES, StateBytes, StateForm, check_saved, scale_key, state_bytes
 from .update_choice import UpdateChooser
 
 _STATE_TENSORS = ("exp_avg", "exp_avg_sq")
@@ -389,10 +389,20 @@ class SparseAdam(torch.optim.SparseAdam):
     def state_bytes(self):
         """Host bytes of the optimizer state of each hostembed table, by
         parameter: {param: bytes} (its moments and their scales as kept;
-        tables not yet stepped have none)."""
-        return {p: state_bytes(self.state[p])
-                for group in self.param_groups for p in group["params"]
-                if table_of(p) is not None and self.state.get(p)}
+        tables not yet stepped have none). A dict keyed as ``self.state``;
+        printed, it names each table by its index in ``state_dict()`` (and
+        its name, given named parameters), shape and dtype, not by its
+        values."""
+        sizes, labels = {}, {}
+        index = 0
+        for group in self.param_groups:
+            names = group.get("param_names") or [None] * len(group["params"])
+            for p, name in zip(group["params"], names):
+                if table_of(p) is not None and self.state.get(p):
+                    sizes[p] = state_bytes(self.state[p])
+                    labels[p] = f"param {index}" + ("" if name is None else f" {name!r}")
+                index += 1
+        return StateBytes(sizes, labels)
 
     @staticmethod
     def _gpu_ready(p, table, exp_avg, exp_avg_sq, device):
