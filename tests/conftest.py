@@ -1,3 +1,4 @@
+import os
 import pytest
 import torch
 
@@ -81,3 +82,34 @@ def assert_adam_bound(ours, theirs, reference, what):
     torch_error = (theirs - reference).abs().max()
     assert (ours - reference).abs().max() <= 2 * torch_error + 4 * eps * 1e-2, what
     assert ((ours - theirs).abs() <= 4 * eps * theirs.abs() + torch_error).all(), what
+
+
+# Skips: only a test marked `gpu` may skip where there is no CUDA device.
+# With HOSTEMBED_NO_SKIPS=1 (.ci/run sets it) any other skip fails the run:
+# a test that skips in CI is no evidence, and a missing package or tool
+# would otherwise pass unnoticed.
+_unexpected_skips = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail") and "gpu" not in report.keywords:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _unexpected_skips.append((report.nodeid, reason))
+
+
+def pytest_collectreport(report):
+    if report.skipped:  # a whole module, e.g. importorskip of a missing package
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _unexpected_skips.append((report.nodeid, reason))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unexpected_skips and os.environ.get("HOSTEMBED_NO_SKIPS") == "1":
+        terminalreporter.section("skipped without a GPU reason (HOSTEMBED_NO_SKIPS=1)", red=True)
+        for nodeid, reason in _unexpected_skips:
+            terminalreporter.line(f"{nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _unexpected_skips and os.environ.get("HOSTEMBED_NO_SKIPS") == "1" and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

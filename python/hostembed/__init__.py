@@ -18,7 +18,27 @@ The package, by layer (each imports only from the layers below it):
   _core/   the boundary to the C core (private): HostTable, ids, the
            custom ops (_core/ops/), whether CUDA can run
 """
+import re as _re
 import sys as _sys
+
+import torch as _torch
+
+# The oldest torch hostembed supports, and the one .ci/torch_floor.sh runs
+# the core tests on (pyproject.toml and docs/guides/quickstart.md state the
+# same floor). Older ones fail: before 2.4 torch has no
+# torch.library.custom_op, which registers every op here; on 2.4 and 2.5
+# torch's own embedding_bag raises an internal assert when a frozen table
+# pools with per_sample_weights that need a gradient. pip leaves an older
+# torch installed, and the import then failed deep inside with an
+# AttributeError naming no version, so it is refused here, first.
+_TORCH_FLOOR = (2, 6)
+_torch_version = str(getattr(_torch, "__version__", "unknown"))
+_found = _re.match(r"(\d+)\.(\d+)", _torch_version)
+if _found is None or tuple(map(int, _found.groups())) < _TORCH_FLOOR:
+    _floor = ".".join(map(str, _TORCH_FLOOR))
+    raise ImportError(f"hostembed needs torch >= {_floor} (found {_torch_version}): upgrade torch "
+                      f"(pip install 'torch>={_floor}')")
+del _found, _torch_version
 
 from ._core.cuda import cuda_available, cuda_compiled
 from ._core.ids import IdDtypeError
