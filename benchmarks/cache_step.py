@@ -1,7 +1,8 @@
 """The training step through the row cache on the anchors' own protocols:
-ms a step with its phases, hit rate, bytes over PCIe a step against the
-minimum and the host's waits for the device, without a cache and with
-caches of several sizes, for float32 and compact optimizer state.
+ms a step with its phases, hit rate, the record bytes the cache moved a
+step and the PCIe bytes a step modelled against a modelled minimum, and
+the host's waits for the device, without a cache and with caches of
+several sizes, for float32 and compact optimizer state.
 
 Protocols (--protocols; the streams and where each was read from are in
 benchmarks/_anchor_streams.py):
@@ -19,9 +20,12 @@ benchmarks/_anchor_streams.py):
               rows the run touches.
   replayed    the same stream, 10 batches cycled.
 
-Before timing each protocol and state, a small draw of its stream checks
-on the same device that a table with a row cache trains to the uncached
-table's bits (--no-check skips it); a difference ends the run.
+Before timing each protocol, optimizer and state, a small draw of its
+stream checks on the same device that a table with a row cache of each
+timed size (the same fractions, of the draw's rows) trains to the uncached
+table's bits: from the same random table, every step's output, then the
+weight and every optimizer state entry (--no-check skips it); a
+difference, or a draw that never finds a cached row again, ends the run.
 
 A step: forward (ids on the device), backward, step(), with the update
 fused in backward unless --unfused; with a cache and one row an id, the
@@ -33,8 +37,12 @@ protocols' own figures are means, ours are printed as median and mean.
 JSON (--json; default benchmarks/results/<device>-<date>/cache_protocols.json):
 a list of rows {"protocol", "cache" (fraction; 0 for none), "state",
 "optimizer", "ms_per_step" (median), "mean_ms", "device", "date", the
-phases, hit rate, bytes and waits, and the cache's rows per GiB of its
-records as allocated}.
+phases, hit rate, waits, the record bytes the cache counts it moved
+("record_bytes_moved_per_step"), the cache's records as allocated
+("cache_records_allocated_bytes", "cache_bytes_per_row",
+"cache_rows_per_gib"), and figures from a formula, named *_modelled: a
+record's bytes, the bytes of bypassed rows (every row, without a cache),
+the PCIe total and the minimum}. No byte is measured on the bus.
 
 Usage (after `pip install .`; a GPU for the real figures):
     python benchmarks/cache_step.py [--protocols dynamicemb,fbgemm,fresh,replayed --states float32,int8]
@@ -174,28 +182,133 @@ def build(w, optimizer, state, args, device):
     return module, opt
 
 
+# The check's draw: small enough to run in seconds before each protocol,
+# long enough that hot rows come back to a cache over several steps (the
+# timed passes' own reuse), and that small caches evict.
+CHECK_DRAW = {"scale": 0.001, "batches": 6, "iters": 4, "warmup": 4, "steps": 6}
+
+
+def fractions_of(protocol, args):
+    """The cache sizes timed for a protocol, as fractions of cache_base."""
+    return args.fractions or [float(x) for x in FRACTIONS[protocol].split(",")]
+
+
+def cache_rows_for(fraction, base):
+    return max(1, int(round(fraction * base)))
+
+
+def training_state(module, opt):
+    """{name: value} of everything training leaves behind: the weight and
+    each optimizer state entry (tensors and numbers alike), as host memory
+    holds them once the cache has written back: state_dict() and reading
+    the weight flush it, as a user's checkpoint would."""
+    # The weight first: a difference is reported in the first entry that
+    # has one, and a wrong state that never reached the weight then says so.
+    state = {"weight": module.weight.detach().clone()}
+    for index, entry in opt.state_dict()["state"].items():
+        for key, value in entry.items():
+            state[f"state[{index}].{key}"] = value.detach().clone() if torch.is_tensor(value) else value
+    return state
+
+
+def first_difference(name, mine, theirs):
+    """None if `mine` is `theirs` bit for bit, else what differs, in words."""
+    if not torch.is_tensor(theirs):
+        return None if mine == theirs else f"{name} is {mine!r}, not {theirs!r}"
+    if not torch.is_tensor(mine) or mine.dtype != theirs.dtype or mine.shape != theirs.shape:
+        return f"{name} is {getattr(mine, 'dtype', type(mine))} {tuple(getattr(mine, 'shape', ()))}, not " \
+               f"{theirs.dtype} {tuple(theirs.shape)}"
+    # Bits, not values: NaN == NaN here, and -0.0 != 0.0.
+    if mine.is_floating_point():
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[mine.element_size()]
+        differ = mine.view(ints) != theirs.view(ints)
+    else:
+        differ = mine != theirs
+    if not bool(differ.any()):
+        return None
+    rows = differ.reshape(differ.shape[0] if differ.dim() else 1, -1).any(1).nonzero().view(-1)
+    gap = float((mine.double() - theirs.double())[differ].abs().max())
+    return f"{name} differs in {rows.numel()} row(s), first row {int(rows[0])} (max |difference| {gap:.3g})"
+
+
+def train_checked(module, opt, w, grad_out, plan_ahead):
+    """The timed steps' sequence over the whole draw (forward, backward,
+    the next batch planned, step), with a gradient that depends on the
+    rows the forward served (the output plus grad_out): a wrong row then
+    changes the update, not only the output. Returns each step's output
+    and the cache's counts of the batches trained (None without a cache)."""
+    order = w.warmup + w.timed + [w.after]
+    inputs = (lambda i: w.batches[i].view(-1, w.bag_size)) if w.bag_size else (lambda i: w.batches[i])
+    plan_ahead = plan_ahead and module._table.cache is not None and not w.bag_size
+    outputs, last = [], len(order) - 2
+    if plan_ahead:
+        module.prefetch(inputs(order[0]))
+    for k in range(last + 1):
+        out = module(inputs(order[k]))
+        outputs.append(out.detach().clone())
+        out.backward(out.detach() + grad_out)
+        if k == last:
+            # Before the batch no step trains is planned: its hits are
+            # never served.
+            stats = module.cache_stats
+        if plan_ahead:
+            module.prefetch(inputs(order[k + 1]))
+        opt.step()
+        opt.zero_grad()
+    return outputs, stats
+
+
 def check_bits(protocol, optimizer, state, args, device):
     """A fast wrong answer is not a result: on a small draw of the
-    protocol's stream, on this device, a table with a row cache of half its
-    rows must train to the bits of the same table without one (several
-    steps, plan-ahead as timed), before anything is timed."""
-    small = argparse.Namespace(**{**vars(args), "scale": min(args.scale, 0.001), "batches": 4, "iters": 2,
-                                  "warmup": 2, "steps": 2})
+    protocol's stream, on this device, a table with a row cache of each
+    timed size (the same fractions, of this draw's rows) must train to the
+    bits of the same table without one: every step's output, the weight
+    and every optimizer state tensor, from the same random table (an
+    all-zero one would hide a wrong row until its first update), before
+    anything is timed. Returns the cache's counts a size."""
+    small = argparse.Namespace(**{**vars(args), **CHECK_DRAW, "scale": min(args.scale, CHECK_DRAW["scale"])})
     w = workload(protocol, small, device)
     out_rows = len(w.batches[0]) // w.bag_size if w.bag_size else len(w.batches[0])
-    grad_out = torch.randn(out_rows, w.dim, generator=torch.Generator().manual_seed(args.seed)).to(device)
-    weights = []
-    for cache_rows in (None, max(1, w.rows // 2)):
+    gen = torch.Generator().manual_seed(args.seed)
+    grad_out = torch.randn(out_rows, w.dim, generator=gen).to(device)
+    start = torch.randn(w.rows, w.dim, generator=gen)
+    base, label = cache_base(w), f"{protocol}, {optimizer} {state}"
+
+    def train(cache_rows):
         module, opt = build(w, optimizer, state, args, device)
+        with torch.no_grad():
+            module.weight.copy_(start)
         module.cache_rows = cache_rows
-        run(module, opt, w, grad_out, not args.no_plan_ahead, device)
-        weights.append(module.weight.detach().clone())  # reading it writes the cache back
+        outputs, stats = train_checked(module, opt, w, grad_out, not args.no_plan_ahead)
+        result = outputs, training_state(module, opt), stats
         del module, opt
         gc.collect()
-    if not torch.equal(*weights):
-        fail(f"{protocol}, {optimizer} {state}: the cached table's weights differ from the uncached table's "
-             f"(max |difference| {float((weights[0] - weights[1]).abs().max()):.3g})")
-    log(f"{protocol}, {optimizer} {state}: a cache of half the rows trains to the uncached bits (checked)")
+        return result
+
+    want_outputs, want, _ = train(None)
+    counts = {}
+    for fraction in fractions_of(protocol, args):
+        cache_rows = cache_rows_for(fraction, base)
+        where = f"{label}, cache {fraction:g} ({cache_rows:,} of the check's {base:,} rows)"
+        outputs, got, stats = train(cache_rows)
+        for k, (mine, theirs) in enumerate(zip(outputs, want_outputs)):
+            wrong = first_difference(f"step {k}'s lookup output", mine, theirs)
+            if wrong:
+                fail(f"{where}: {wrong} from the uncached table's")
+        if got.keys() != want.keys():
+            fail(f"{where}: the optimizer holds {sorted(got)}, the uncached one {sorted(want)}")
+        for name in want:
+            wrong = first_difference(name, got[name], want[name])
+            if wrong:
+                fail(f"{where}: {wrong} from the uncached table's")
+        if not stats["hits"]:
+            # Every row fetched or bypassed: a wrong slot or a stale record
+            # would never have been served, and the check would prove nothing.
+            fail(f"{where}: no cached row was found again in a later step; the check's draw does not test the cache")
+        counts[fraction] = stats
+        log(f"{where}: trains to the uncached bits (outputs, weight, {len(want) - 1} optimizer state entries; "
+            f"{stats['hits']:,} hits, {stats['evictions']:,} evictions, {stats['bypassed']:,} bypassed)")
+    return counts
 
 
 class Clock:
@@ -266,6 +379,23 @@ def run(module, opt, w, grad_out, plan_ahead, device):
     return wall, phases, stats, waits
 
 
+def allocated_record_bytes(cache):
+    """Bytes of the cache's records as allocated (each storage once: the
+    records of a key may be views of a larger allocation), for its
+    capacity rows: what the cache holds in memory, not a formula."""
+    storages = {}
+    for records in cache.cached.values():
+        storage = records.untyped_storage()
+        storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+# Figures computed from a formula rather than counted or timed carry this
+# suffix in the JSON and "(modelled)" in the printed table: no PCIe byte is
+# measured on the bus here.
+MODELLED = "_modelled"
+
+
 def measure(w, optimizer, state, args, device, today):
     """Rows of the report for one workload, optimizer and state form."""
     module, opt = build(w, optimizer, state, args, device)
@@ -275,32 +405,38 @@ def measure(w, optimizer, state, args, device, today):
     weight_bytes = w.dim * 4
     record = weight_bytes + state_bytes(optimizer, state, w.dim)
     unique = w.notes["unique_per_step"]
-    fractions = args.fractions or [float(x) for x in FRACTIONS[w.protocol].split(",")]
     rows = []
-    for fraction in ([] if args.no_baseline else [0.0]) + fractions:
-        module.cache_rows = max(1, int(round(fraction * base))) if fraction else None
+    for fraction in ([] if args.no_baseline else [0.0]) + fractions_of(w.protocol, args):
+        module.cache_rows = cache_rows_for(fraction, base) if fraction else None
         wall, phases, stats, waits = run(module, opt, w, grad_out, not args.no_plan_ahead, device)
         row = {"protocol": w.protocol, "cache": fraction, "state": state, "optimizer": optimizer,
                "ms_per_step": float(np.median(wall)), "mean_ms": float(np.mean(wall)),
                "min_ms": float(np.min(wall)), "max_ms": float(np.max(wall)), "steps": len(wall),
                "device": device_label(device), "date": today, "phases_ms": phases, "table_rows": w.rows,
                "cache_rows": module.cache_rows or 0, "cache_of_rows": base, "unique_per_step": unique,
-               "first_touch_per_step": first, "record_bytes": record, "host_waits_per_step": waits,
-               "minimum_bytes_per_step": first * record}
+               "first_touch_per_step": first, "host_waits_per_step": waits,
+               # A record's bytes by formula (weight, state, 8-bit scales): the
+               # no-cache row has no records to measure.
+               "record_bytes" + MODELLED: record,
+               "minimum_bytes_per_step" + MODELLED: first * record}
         if stats is None:
-            # Modelled: the forward reads each unique row's weight, the update
-            # reads and writes its record.
-            row.update(hit_rate=None, bypassed_per_step=unique, records_on=None, cache_rows_per_gib=None,
-                       pcie_bytes_per_step=unique * (weight_bytes + 2 * record))
+            # Without a cache every unique row is read in host memory: the
+            # forward reads its weight, the update reads and writes its record.
+            row.update(hit_rate=None, bypassed_per_step=unique, records_on=None, cache_bytes_per_row=None,
+                       cache_rows_per_gib=None, record_bytes_moved_per_step=None)
         else:
-            # The records as allocated (weight, state, 8-bit scales): how
-            # many rows a GiB of cache holds in this form.
-            row["cache_bytes_per_row"] = module._table.cache._record_bytes()
+            cache = module._table.cache  # read now: an update on the CPU replaced a GPU cache at its first step
+            row["cache_records_allocated_bytes"] = allocated_record_bytes(cache)
+            row["cache_bytes_per_row"] = row["cache_records_allocated_bytes"] / cache.capacity
             row["cache_rows_per_gib"] = 2**30 / row["cache_bytes_per_row"]
+            # Counted by the cache: the records it fetched and wrote back,
+            # each at its record's size.
             moved = stats["fetched_bytes"] + stats["written_back_bytes"]
             row.update(hit_rate=stats["hits"] / max(stats["rows"], 1), bypassed_per_step=stats["bypassed"],
-                       records_on=str(module._table.cache.device), record_bytes_moved_per_step=moved,
-                       pcie_bytes_per_step=moved + stats["bypassed"] * (weight_bytes + 2 * record), stats=stats)
+                       records_on=str(cache.device), record_bytes_moved_per_step=moved, stats=stats)
+        bypass = row["bypassed_per_step"] * (weight_bytes + 2 * record)
+        row["bypass_bytes_per_step" + MODELLED] = bypass
+        row["pcie_bytes_per_step" + MODELLED] = (row["record_bytes_moved_per_step"] or 0) + bypass
         rows.append(row)
         log(f"{w.protocol}, {optimizer} {state}, cache {fraction:g}: median {row['ms_per_step']:.2f} ms, "
             f"mean {row['mean_ms']:.2f} ms" + ("" if row["hit_rate"] is None else f", hits {row['hit_rate']:.1%}"))
@@ -316,21 +452,30 @@ def print_table(w, rows):
           f"{n['unique_per_step']:,.0f} unique rows a step, D={w.dim}"
           + (f", sum bags of {w.bag_size}" if w.bag_size else "") + f"; {n}\n")
     print("| optimizer, state | cache (rows) | records in | ms/step median | mean | fwd / bwd / step ms | hit rate "
-          "| bypassed/step | PCIe MiB/step | minimum MiB/step | host waits/step | cache rows/GiB |")
-    print("|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+          "| bypassed/step | records moved MiB/step | bypassed MiB/step (modelled) | PCIe MiB/step (modelled) "
+          "| minimum MiB/step (modelled) | host waits/step | cache rows/GiB |")
+    print("|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    mib = 2**20
     for r in rows:
         cache = "none" if not r["cache"] else f"{r['cache']:g} ({r['cache_rows']:,})"
         p = r["phases_ms"]
         hit = "" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}"
         waits = "" if r["host_waits_per_step"] is None else f"{r['host_waits_per_step']:.2f}"
         per_gib = "" if r["cache_rows_per_gib"] is None else f"{r['cache_rows_per_gib']:,.0f}"
+        moved = "" if r["record_bytes_moved_per_step"] is None else f"{r['record_bytes_moved_per_step'] / mib:,.1f}"
         # Records in host memory (an optimizer that updates on the CPU moves
         # them there): the bytes are then host copies, not PCIe.
         print(f"| {r['optimizer']}, {r['state']} | {cache} | {r['records_on'] or ''} | {r['ms_per_step']:.2f} | "
               f"{r['mean_ms']:.2f} | "
               f"{p['forward']:.2f} / {p['backward']:.2f} / {p['step']:.2f} | {hit} | {r['bypassed_per_step']:,.0f} | "
-              f"{r['pcie_bytes_per_step'] / 2**20:,.1f} | {r['minimum_bytes_per_step'] / 2**20:,.1f} | {waits} "
-              f"| {per_gib} |")
+              f"{moved} | {r['bypass_bytes_per_step' + MODELLED] / mib:,.1f} | "
+              f"{r['pcie_bytes_per_step' + MODELLED] / mib:,.1f} | {r['minimum_bytes_per_step' + MODELLED] / mib:,.1f} "
+              f"| {waits} | {per_gib} |")
+    print("\nRecords moved: counted by the cache (records fetched and written back, times a record's size). "
+          "(modelled): a formula, not a count: each bypassed row (every row without a cache) has its weight read "
+          "for the forward and its record read and written by the update, at a record's size by formula "
+          "(record_bytes_modelled in the JSON); the minimum is each step's first touches at that size. Cache "
+          "rows/GiB: of the records as allocated.")
     if w.protocol == "dynamicemb":
         for fraction, figures in PUBLISHED.items():
             print(f"\nPublished on this protocol, cache {fraction:g}, H100, Adam (mean ms/step): "
