@@ -3,6 +3,8 @@
  * the GPU on request (cuda_register). */
 #include "binding.h"
 
+#include <unistd.h>
+
 #include "host_memory.h"
 #ifdef HE_WITH_CUDA
 #include "he_cuda.h"
@@ -18,6 +20,7 @@ typedef struct {
     void *device_ptr;
     int cuda_device;
     PyObject *weakrefs; /* the Python layer finds buffers by address through weak references */
+    pid_t owner; /* the process that mapped it */
 } heb_host_buffer;
 
 static PyObject *heb_host_buffer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -41,6 +44,7 @@ static PyObject *heb_host_buffer_new(PyTypeObject *type, PyObject *args, PyObjec
     if (!self)
         return NULL;
     self->cuda_device = -1; /* tp_alloc zeroes, and 0 is a device */
+    self->owner = getpid();
     he_status st;
     void *ptr = NULL;
     size_t mapped = (size_t)nbytes;
@@ -72,6 +76,15 @@ static void heb_host_buffer_dealloc(heb_host_buffer *self)
 {
     if (self->weakrefs)
         PyObject_ClearWeakRefs((PyObject *)self);
+    /* In a forked child a table's range is not mapped (MADV_DONTFORK), and
+     * the child's own mappings may have taken it since: a munmap there
+     * would pull the child's memory (its own tables) from under it. Its
+     * CUDA registration is the parent's too. Scratch memory is inherited
+     * (copied), and goes to the child's scratch cache. */
+    if (!self->scratch && self->owner != getpid()) {
+        Py_TYPE(self)->tp_free((PyObject *)self);
+        return;
+    }
 #ifdef HE_WITH_CUDA
     /* Before munmap: the pages must not stay pinned (or be read by a
      * kernel) once they are gone. */

@@ -12,7 +12,10 @@ files (the "homes") hold a row's newest values only until its first
 eviction, and get them back at a flush (flush_homes), which every reader
 of the files calls first (the cache's flush: the module's `weight`,
 state_dict(), hostembed.save, the table's end). The records file holds
-the optimizer's life, like the state files, and is removed with the table.
+the optimizer's life, like the state files, and is removed with the table:
+at its end's write-back (row_cache.flush_when_done), also at the
+interpreter's exit, by the process that made it only (a forked child's end
+leaves it alone).
 
 An eviction's write goes on in the background (one at a time), from when
 the step's misses are read until the cache next moves rows to the files
@@ -51,6 +54,19 @@ _MAX_FIELDS = 7
 # at the first such write; every table's writes take turns on it).
 _writer = None
 _writer_lock = threading.Lock()
+
+
+def _no_writer_in_child():
+    # A forked child has none of its parent's threads: the executor's
+    # thread would never run what the child's own tables submit (their
+    # settle() would wait for good). The child makes its own; its parent's
+    # writes in flight are the parent's to finish.
+    global _writer, _writer_lock
+    _writer, _writer_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_no_writer_in_child)
 
 
 def _write_behind(function, *args):
@@ -110,6 +126,9 @@ class HostRows:
 
     def settle(self) -> None:
         pass
+
+    def newer_rows(self) -> tuple:
+        return 0, 0
 
     def unflushed(self, key) -> bool:
         return False
@@ -424,6 +443,13 @@ class FileRows:
         if any(bool(torch.isin(rows, written).any()) for written in busy):
             self.settle()
 
+    def newer_rows(self) -> tuple:
+        """(rows of the records file newer than their files in some field,
+        the fields a record has): what a flush would write from it."""
+        if self.records is None:
+            return 0, 0
+        return int(((self.flags & (_VALID - 1)) != 0).sum()), len(self.fields)
+
     def unflushed(self, key) -> bool:
         """Whether rows of `key` in the records file are newer than its file."""
         if self.records is None:
@@ -484,6 +510,11 @@ class FileRows:
 
 
 def _remove(row_file, writing=(None,)):
+    if row_file.pid != os.getpid():
+        # A forked child's end (or garbage collection): the file and the
+        # write in flight are the parent's (whose writer thread the child
+        # has not: waiting for it would never end).
+        return
     job = writing[0]
     if job is not None:
         job[2].exception()  # its error, if any, was the table's; the file goes either way

@@ -156,6 +156,16 @@ FORK_MESSAGE = (
 )
 
 
+def disk_fork_message(path, pid):
+    """Why a forked child cannot use its parent's table on disk (in `path`,
+    opened by process `pid`)."""
+    return (f"hostembed: the table in {path} is process {pid}'s, and this is a forked child of it (such as a "
+            "DataLoader worker): a child does not inherit its parent's tables on disk (their rows are not mapped "
+            "here, and a child writing their files would change the table under the parent). Look the rows up in "
+            "the main process, or make the child a table of its own in another directory (this one stays locked "
+            "while the parent holds it)")
+
+
 def host_tensor(buf, num_rows, dim, dtype=torch.float32):
     """A [num_rows, dim] CPU tensor of dtype over a HostBuffer (no copy); the
     tensor keeps the buffer alive."""
@@ -390,7 +400,7 @@ class HostTable:
 
     def check_process(self):
         if self.pid != _pid:
-            raise RuntimeError(FORK_MESSAGE)
+            raise RuntimeError(FORK_MESSAGE if self.files is None else disk_fork_message(self.files.path, self.pid))
 
     def views(self, tensor):
         """True when tensor is exactly this table's rows: the whole buffer,

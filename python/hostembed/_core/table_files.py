@@ -18,6 +18,13 @@ open. So is the row cache's records file (new_records; a row's weight and
 state as one record, so that a miss is one read: _cache/row_store.py).
 A table's training resumes from a checkpoint (hostembed.save), which holds
 the optimizer's state and step; the table files hold the rows.
+
+A table's files are the process's that opened them. A forked child (a
+DataLoader worker) inherits their descriptors but not their mappings
+(MADV_DONTFORK): its copies are closed at the fork, so that nothing the
+child does (its end, its garbage collection) writes, removes or keeps
+locked the files of its parent's table, and a file of a process is
+removed only by that process (RowFile.pid).
 """
 import errno
 import fcntl
@@ -31,7 +38,7 @@ import weakref
 import torch
 
 from . import _C
-from .table import dtype_name, host_tensor, map_shared, table_of
+from .table import disk_fork_message, dtype_name, host_tensor, map_shared, table_of
 
 MANIFEST = "table.json"
 FORMAT = "hostembed table files"
@@ -77,6 +84,20 @@ def _open_direct(path):
     return None, 0
 
 
+# Every RowFile of this process, closed in a forked child (see the module).
+_row_files = weakref.WeakSet()
+
+
+def _close_inherited():
+    for row_file in list(_row_files):
+        if row_file.pid != os.getpid():
+            row_file.close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited)
+
+
 def _unlink_quietly(path):
     try:
         os.unlink(path)
@@ -98,6 +119,7 @@ class RowFile:
 
     def __init__(self, path, num_rows, width, dtype, *, create, per_row=False, zero_fill=False, mapped=True):
         self.path, self.num_rows, self.width, self.dtype = path, num_rows, width, dtype
+        self.pid = os.getpid()  # the process whose file this is (see the module)
         self.row_bytes = width * dtype.itemsize
         self.nbytes = num_rows * self.row_bytes
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -126,6 +148,7 @@ class RowFile:
             raise
         if hasattr(os, "posix_fadvise") and self.nbytes:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        _row_files.add(self)
         self.per_row = per_row
         if buffer is None:  # moved by read() and write() only
             self.buffer, self._tensor = (lambda: None), None
@@ -177,6 +200,10 @@ class RowFile:
                                      f"({os.strerror(exc.errno)})") from None
 
     def _move(self, function, rows, buffer, read_removed=False):
+        if self.pid != os.getpid():
+            raise RuntimeError(disk_fork_message(os.path.dirname(self.path), self.pid))
+        if self.fd is None:
+            raise ValueError(f"hostembed: {self.path} was closed; its table is gone")
         function(fd=self.fd, direct_fd=-1 if self.direct_fd is None else self.direct_fd, align=self.align,
                  row_bytes=self.row_bytes, num_rows=self.num_rows, offset=0, path=self.path, rows=rows.data_ptr(),
                  count=rows.numel(), buffer=buffer.data_ptr(), threads=IO_THREADS, read_removed=read_removed)
@@ -262,6 +289,8 @@ class TableFiles:
         # HostBuffer address -> RowFile, for the row cache's moves; an
         # entry goes with its buffer.
         self._files = {}
+        # The finalizers that close and remove the state files (end_state).
+        self._state_ends = []
 
     def _lock(self):
         """One module at a time, in any process: two would write the same
@@ -309,7 +338,14 @@ class TableFiles:
             raise ValueError(f"hostembed: the table in {self.path} is [{found[0]}, {found[1]}] {found[2]}; the module "
                              f"asks for [{wanted[0]}, {wanted[1]}] {wanted[2]}")
 
+    def check_process(self):
+        """Raises where this process is not the one that opened the table (a
+        forked child): it must not write or remove the parent's files."""
+        if self.weight.pid != os.getpid():
+            raise RuntimeError(disk_fork_message(self.path, self.weight.pid))
+
     def _write_manifest(self, *, clean):
+        self.check_process()
         info = {"format": FORMAT, "version": VERSION, "num_rows": self.num_rows, "dim": self.dim,
                 "dtype": dtype_name(self.dtype), "weight": WEIGHT_FILE, "clean": clean}
         if clean:
@@ -353,7 +389,9 @@ class TableFiles:
         buffer = row_file.buffer()
         if buffer is not None and row_file.nbytes:
             self._files[buffer.address] = row_file
-            weakref.finalize(buffer, self._forget, buffer.address, row_file, remove)
+            end = weakref.finalize(buffer, self._forget, buffer.address, row_file, remove)
+            if remove:
+                self._state_ends = [e for e in self._state_ends if e.alive] + [end]
         else:
             self._forget(None, row_file, remove)
         return tensor
@@ -361,11 +399,20 @@ class TableFiles:
     def _forget(self, address, row_file, remove):
         self._files.pop(address, None)
         row_file.close()
-        if remove:
+        if remove and row_file.pid == os.getpid():  # a forked child's end leaves its parent's files alone
             try:
                 os.unlink(row_file.path)
             except OSError:
                 pass
+
+    def end_state(self):
+        """The state files closed and removed now, at the end of the process
+        (their tensors stay readable, over the mappings): where the process
+        ends with os._exit (multiprocessing's fork children), nothing else
+        would remove them."""
+        for end in self._state_ends:
+            end()
+        self._state_ends = []
 
     def weight_buffer(self):
         """The HostBuffer mapping the weight's file (once): the file stays
@@ -382,6 +429,7 @@ class TableFiles:
         """A zeroed state tensor of `width` values of dtype a row ([num_rows]
         with per_row) over a new file of the directory, removed when the
         tensor and its views go."""
+        self.check_process()
         self._state_count += 1
         path = os.path.join(self.path, f"{STATE_PREFIX}{os.getpid()}-{self._state_count}.bin")
         row_file = RowFile(path, self.num_rows, width, dtype, create=True, per_row=per_row, zero_fill=True)
@@ -391,6 +439,7 @@ class TableFiles:
         """A file of [num_rows, record_bytes] bytes (_cache/row_store.py's
         records), reserved, unmapped: its owner writes every row, and removes
         it (or the next open, as a state file)."""
+        self.check_process()
         self._state_count += 1
         path = os.path.join(self.path, f"{STATE_PREFIX}{os.getpid()}-{self._state_count}-records.bin")
         return RowFile(path, self.num_rows, record_bytes, torch.uint8, create=True, mapped=False)
@@ -406,6 +455,7 @@ class TableFiles:
         hold the table): set before the first write of a session's step
         and after a complete flush."""
         if clean != self.clean:
+            self.check_process()
             if clean:
                 self.weight.sync()
                 if self.removed():
@@ -418,6 +468,7 @@ class TableFiles:
     def removed(self):
         """True when the weight's file was removed (rm -rf of the directory)
         while the table is open: its rows live only in this process."""
+        self.check_process()
         return os.fstat(self.weight.fd).st_nlink == 0
 
 
