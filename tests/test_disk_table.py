@@ -628,3 +628,23 @@ def test_a_refused_open_leaves_the_table_free(tmp_path):
     with pytest.raises(ValueError, match="asks for"):
         hostembed.Embedding(ROWS, 64, storage=tmp_path / "t", cache_rows=10)
     assert torch.equal(hostembed.Embedding(ROWS, 128, storage=tmp_path / "t", cache_rows=10).weight, build().weight)
+
+
+def test_repr_says_the_tables_folder_and_the_rows_it_holds_in_memory(tmp_path):
+    """print(model) of a table on disk: its folder and its row cache (what
+    ram_budget bought, in the rows the module counts), not "host memory"."""
+    # A float32 record is the row and two rows of optimizer state: 8 * 12
+    # bytes, so this budget holds 50 rows.
+    emb = hostembed.Embedding(ROWS, 8, padding_idx=0, storage=tmp_path / "emb", ram_budget=8 * 12 * 50)
+    bag = hostembed.EmbeddingBag(ROWS, 4, dtype=torch.float16, storage=tmp_path / "bag", cache_rows=7)
+    expected = (f"hostembed.Embedding({ROWS}, 8, padding_idx=0, sparse=True, table on disk in "
+                f"{str(tmp_path / 'emb')!r} (cache_rows=50 in memory), outputs on cpu)")
+    assert repr(emb) == expected, f"expected {expected!r}, got {repr(emb)!r}"
+    text = repr(torch.nn.Sequential(emb, bag))
+    assert f"float16 table on disk in {str(tmp_path / 'bag')!r} (cache_rows=7 in memory)" in text, text
+    assert "host memory" not in text, f"a table on disk described as in host memory: {text}"
+    emb.cache_rows = 20
+    assert "(cache_rows=20 in memory)" in repr(emb), f"the repr kept the old cache size: {emb!r}"
+    # A table in memory, with or without a row cache, reads as before.
+    assert repr(hostembed.Embedding(10, 3, cache_rows=4)) == \
+        "hostembed.Embedding(10, 3, sparse=True, table in host memory, outputs on cpu)"

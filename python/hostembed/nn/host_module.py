@@ -542,5 +542,12 @@ class HostTableModule:
     def extra_repr(self) -> str:
         # torch's options, then where the table and the outputs are.
         dtype = "" if self._table.dtype == torch.float32 else f"{dtype_name(self._table.dtype)} "
-        return f"{super().extra_repr()}, {dtype}table in host memory, outputs on {self._output_device}"
+        files = self._table.files
+        if files is None:
+            where = "table in host memory"
+        else:
+            # cache_rows, not ram_budget: the module keeps only the rows
+            # (ram_budget was turned into them, and cache_rows can be set).
+            where = f"table on disk in {files.path!r} (cache_rows={self._cache_rows} in memory)"
+        return f"{super().extra_repr()}, {dtype}{where}, outputs on {self._output_device}"
 
