@@ -91,16 +91,23 @@ def assert_adam_bound(ours, theirs, reference, what):
 _unexpected_skips = []
 
 
-def pytest_runtest_logreport(report):
-    if report.skipped and not hasattr(report, "wasxfail") and "gpu" not in report.keywords:
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        _unexpected_skips.append((report.nodeid, reason))
+def _skip_reason(report):
+    return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    # The marker itself, not report.keywords: those hold parametrize ids
+    # too, and a case named "gpu" is not a GPU test.
+    if report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("gpu") is None:
+        _unexpected_skips.append((report.nodeid, _skip_reason(report)))
 
 
 def pytest_collectreport(report):
     if report.skipped:  # a whole module, e.g. importorskip of a missing package
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        _unexpected_skips.append((report.nodeid, reason))
+        _unexpected_skips.append((report.nodeid, _skip_reason(report)))
 
 
 def pytest_terminal_summary(terminalreporter):

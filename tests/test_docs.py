@@ -32,7 +32,8 @@ def examples():
         fences = re.findall(r"^( *)```python\n(.*?)^\1```", page.read_text(), flags=re.S | re.M)
         for number, (indent, block) in enumerate(fences):
             block = textwrap.dedent(block) if indent else block
-            found.append(pytest.param(block, id=f"{page.relative_to(ROOT)}-{number}"))
+            marks = [pytest.mark.gpu] if block.startswith(NEEDS_GPU) else []
+            found.append(pytest.param(block, id=f"{page.relative_to(ROOT)}-{number}", marks=marks))
     return found
 
 

@@ -201,6 +201,7 @@ def _with_weight(weight):
     return emb
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: a tie on the GPU is refused")
 def test_a_tie_on_the_gpu_is_refused_with_what_to_do():
     model = _tied_lm().cuda()
