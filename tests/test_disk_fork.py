@@ -216,7 +216,11 @@ if pid == 0:
     os.close(done)
     # The child: its parent's table refuses, with a clear error.
     found = []
-    for attempt in (lambda: disk(ids), disk.flush_cache, lambda: hostembed.save(directory + ".pt", disk)):
+    # The last training step's gradient is still there: step() has one to apply.
+    if disk_opt.param_groups[0]["params"][0].grad is None:
+        found.append("no gradient for the optimizer's step to refuse")
+    for attempt in (lambda: disk(ids), disk.flush_cache, lambda: hostembed.save(directory + ".pt", disk),
+                    disk_opt.step):
         try:
             attempt()
             found.append("no error")

@@ -506,21 +506,25 @@ def _flush_at_end(table):
 
 def _write_back_at_exit():
     """Every table of this process still open, written back, announced
-    together, and its state files removed. atexit runs this before
-    weakref.finalize's own exit function (registered earlier, by torch's
-    import), so the state files are still open for the write-back."""
-    tables = []
+    together, and its state files removed."""
+    ends = {}
     for end in _ends:
-        detached = end.detach()  # None where it ran already
-        if detached is not None:
-            tables.append(detached[2][0])
+        held = end.peek()  # (module, function, args, kwargs), or None where it ran already
+        if held is not None:
+            ends[id(held[2][0])] = end
+    tables = [end.peek()[2][0] for end in ends.values()]
     _ends.clear()
-    _write_back(tables, "before the process exits")
+    _write_back(tables, "before the process exits", ends)
     for table in tables:
         if table.pid == os.getpid() and table.files is not None:
             table.files.end_state()
 
 
+# weakref.finalize registers its own exit function when its first finalizer
+# is made; made here, it is registered before _write_back_at_exit, and atexit
+# runs the later first: the state files' finalizers (which close them) must
+# run after the write-back that writes them.
+weakref.finalize(_write_back_at_exit, int)
 atexit.register(_write_back_at_exit)
 
 
@@ -532,20 +536,24 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_parents_tables_are_not_ours)
 
 
-def _write_back(tables, when):
+def _write_back(tables, when, ends=None):
     """The tables' caches written back to their files, their records files
     removed (the files hold every row then; left behind, a records file
     would take the table's size on disk until the next open), and the
     caches let go. Only the tables this process made: a forked child's
     end leaves its parent's alone (their memory is not in the child, and
-    their files and the writes in flight are the parent's)."""
+    their files and the writes in flight are the parent's). ends: {id(table):
+    its module's finalizer}, each detached only as its table is written, so
+    that a failure or an interrupt leaves the rest to weakref's own exit
+    function."""
     tables = [t for t in tables if t.pid == os.getpid() and t.cache is not None and t.files is not None]
     if not tables:
         return
-    rows = writes = 0
-    for table in tables:
-        size = table.cache.write_back_size()
-        rows, writes = rows + size[0], writes + size[1]
+    try:
+        sizes = [table.cache.write_back_size() for table in tables]
+        rows, writes = sum(size[0] for size in sizes), sum(size[1] for size in sizes)
+    except Exception:  # only the announcement needs the estimate
+        rows = writes = 0
     seconds = writes / _ROW_WRITES_PER_SECOND
     announce = seconds >= END_MESSAGE_SECONDS and sys.stderr is not None
     if announce:
@@ -554,6 +562,9 @@ def _write_back(tables, when):
               "during the run does it when you choose)", file=sys.stderr, flush=True)
     start = time.monotonic()
     for table in tables:
+        end = (ends or {}).get(id(table))
+        if end is not None:
+            end.detach()
         _end(table)
     if announce:
         print(f"hostembed: written back in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)

@@ -28,6 +28,9 @@ from ..io.stream import copy_rows
 def check_row_sparse(p, grad, name):
     """Refuses a sparse gradient that is not row-sparse and shaped like the
     table p (RuntimeError naming the optimizer)."""
+    table = table_of(p)
+    if table is not None:
+        table.check_process()  # a forked child's table p is emptied: say why, not that the shapes differ
     if grad.shape != p.shape:
         raise RuntimeError(f"{name}: gradient of shape {list(grad.shape)} for a parameter of shape {list(p.shape)}")
     if grad.sparse_dim() != 1:
