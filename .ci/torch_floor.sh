@@ -41,6 +41,15 @@ DESELECT=(-k "not compile and not compiled")
 
 cache=${HOSTEMBED_FLOOR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hostembed-torch-floor}
 python=${PYTHON:-python3}
+# The pins above are wheels for CPython 3.11 and 3.12 (networkx 3.6 needs
+# 3.11; numpy 1.26 has no 3.13 wheel): say so rather than fail in pip.
+if ! "$python" -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] <= (3, 12)))'; then
+    echo "torch_floor: the pinned set is for CPython 3.11-3.12, found $("$python" --version 2>&1);" \
+         "pin versions for it in $0" >&2
+    exit 1
+fi
+# As .ci/run's main run: warnings are errors, and a test that skips fails.
+export HOSTEMBED_WERROR=1 HOSTEMBED_NO_SKIPS=1
 work=$(mktemp -d "${TMPDIR:-/tmp}/hostembed-floor.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 start=$SECONDS
@@ -52,7 +61,7 @@ step() {
 
 mkdir -p "$cache"
 # Files already in the cache are not downloaded again.
-"$python" -m pip download --quiet --disable-pip-version-check --no-deps --dest "$cache" \
+"$python" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --dest "$cache" \
     "torch==$TORCH" "${NVIDIA[@]}" "${PYDEPS[@]}"
 step "download (cache: $cache)"
 
