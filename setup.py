@@ -1,8 +1,14 @@
 """Build of hostembed's C core, and of its CUDA kernels where nvcc is found.
 
 The build needs setuptools and a C compiler only; it never imports torch, so
-one build serves every torch >= 2.1 and `pip install .` works with build
+one build serves every torch >= 2.6 and `pip install .` works with build
 isolation. Set HOSTEMBED_WERROR=1 to turn warnings into errors (CI does).
+
+SIMD: the row loops are built for AVX-512, AVX2 and baseline x86-64, one
+chosen at load time (csrc/simd.h). HOSTEMBED_SIMD=avx512|avx2|default
+builds that level alone, for testing each level's bits on one machine
+(.ci/simd_matrix.sh); such a build refuses to import on a CPU without the
+level's instructions and names itself in hostembed._core._C.SIMD_LEVEL.
 
 OpenMP: where the compiler has it (-fopenmp), the core's loops run on
 OpenMP's threads, at run time torch's own (libgomp is linked by name and
@@ -210,6 +216,17 @@ def _extension():
         else:
             print("hostembed: the C compiler has no OpenMP; the core uses its own threads", file=sys.stderr)
     define_macros = [("HE_OPENMP", "1")] if openmp else []
+    # HOSTEMBED_SIMD=avx512|avx2|default builds that one level of the row
+    # loops instead of all three with a runtime choice (csrc/simd.h): for
+    # testing each level's bits on one machine, never for a wheel.
+    simd = os.environ.get("HOSTEMBED_SIMD", "")
+    levels = {"avx512": "4", "avx2": "3", "default": "1"}
+    if simd:
+        if simd not in levels:
+            sys.exit(f"HOSTEMBED_SIMD must be one of {', '.join(levels)} (or unset: every level, chosen at load "
+                     f"time), got {simd!r}")
+        print(f"hostembed: building the row loops for {simd} only (HOSTEMBED_SIMD)", file=sys.stderr)
+        define_macros.append(("HE_SIMD_ONLY", levels[simd]))
     libraries = ["m"]
     cuda = None
     if mode != "0":

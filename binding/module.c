@@ -91,11 +91,46 @@ static struct PyModuleDef heb_module_def = {
     PyModuleDef_HEAD_INIT, "hostembed._core._C", "hostembed's C core", -1, heb_module_methods, NULL, NULL, NULL, NULL,
 };
 
+/* A build of one SIMD level (setup.py's HOSTEMBED_SIMD, for testing) runs
+ * that level's instructions unconditionally: on a CPU without them the
+ * first row loop would die of SIGILL, so the import refuses instead. */
+static int heb_simd_level_ok(const char **level)
+{
+#if defined(HE_SIMD_ONLY) && defined(__GNUC__) && defined(__x86_64__)
+#if HE_SIMD_ONLY == 4
+    *level = "avx512";
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("bmi2");
+#elif HE_SIMD_ONLY == 3
+    *level = "avx2";
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2");
+#else
+    *level = "default";
+    return 1;
+#endif
+#else
+    *level = "all"; /* every level built, one chosen at load time (csrc/simd.h) */
+    return 1;
+#endif
+}
+
 PyMODINIT_FUNC PyInit__C(void)
 {
+    const char *level;
+    if (!heb_simd_level_ok(&level)) {
+        PyErr_Format(PyExc_ImportError,
+                     "hostembed was built for the %s SIMD level only (HOSTEMBED_SIMD=%s, a testing build) and this "
+                     "CPU lacks its instructions: rebuild without HOSTEMBED_SIMD",
+                     level, level);
+        return NULL;
+    }
     PyObject *m = PyModule_Create(&heb_module_def);
     if (!m)
         return NULL;
+    if (PyModule_AddStringConstant(m, "SIMD_LEVEL", level) < 0)
+        goto fail;
 #ifdef HE_WITH_CUDA
     PyObject *cuda_compiled = Py_True;
 #else

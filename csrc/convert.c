@@ -145,6 +145,9 @@ __attribute__((target("avx,f16c"))) static void f32_to_f16_f16c(const float *s, 
 /* Asked once: CPUID traps to the hypervisor in a VM (microseconds). */
 static int have_f16c(void)
 {
+#if defined(HE_SIMD_ONLY) && HE_SIMD_ONLY < 3
+    return 0; /* the portable conversions, as on a CPU without F16C */
+#endif
     static _Atomic int known = -1;
     int v = atomic_load_explicit(&known, memory_order_relaxed);
     if (v < 0) {

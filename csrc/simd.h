@@ -9,8 +9,26 @@
 #ifndef HE_SIMD_H
 #define HE_SIMD_H
 
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__) && \
-    !defined(HE_NO_CLONES)
+#if defined(HE_SIMD_ONLY) && defined(__GNUC__) && defined(__x86_64__)
+/* One level only, in place of the clones (setup.py's HOSTEMBED_SIMD, for
+ * testing): each clone's code runs on a CPU whose resolver would pick
+ * another, so a test run per level checks that every level gives the same
+ * bits without a machine of each kind. */
+#if HE_SIMD_ONLY == 4
+#define HE_SIMD_CLONES __attribute__((target("avx512f")))
+#define HE_SIMD_CLONES_FMA __attribute__((target("arch=x86-64-v4")))
+#define HE_SIMD_CLONES_BYTES __attribute__((target("arch=x86-64-v4")))
+#elif HE_SIMD_ONLY == 3
+#define HE_SIMD_CLONES __attribute__((target("avx2")))
+#define HE_SIMD_CLONES_FMA __attribute__((target("arch=x86-64-v3")))
+#define HE_SIMD_CLONES_BYTES __attribute__((target("arch=x86-64-v3")))
+#else
+#define HE_SIMD_CLONES
+#define HE_SIMD_CLONES_FMA
+#define HE_SIMD_CLONES_BYTES
+#endif
+#elif defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__SANITIZE_ADDRESS__) && \
+    !defined(__SANITIZE_THREAD__) && !defined(HE_NO_CLONES)
 #define HE_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 /* For loops that call fmaf (torch's CPU kernels fuse a dense += sparse *
  * alpha into one FMA, and matching its bits needs the same): only levels
