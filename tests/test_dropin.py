@@ -147,13 +147,16 @@ def test_a_compiled_model_with_a_table_tied_or_not_trains_as_torch_with_no_graph
             step(ours, ids).backward()
         grad = ours["emb"].weight.grad
         assert grad.is_sparse != tied
-        torch.testing.assert_close(grad.to_dense(), reference["emb"].weight.grad, rtol=1e-6, atol=1e-7)
+        # Inductor's kernels round the tied head's part unlike eager's (by
+        # 2e-7 of 0.04 with torch's scalar kernels, ATEN_CPU_CAPABILITY=
+        # default); a lost or doubled part would be the gradient's size.
+        torch.testing.assert_close(grad.to_dense(), reference["emb"].weight.grad, rtol=1e-5, atol=1e-6)
         for opt in opts:
             opt.step()
             opt.zero_grad()
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
     assert (ours["head"].weight is ours["emb"].weight) == tied
-    torch.testing.assert_close(ours["emb"].weight.detach(), reference["emb"].weight.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ours["emb"].weight.detach(), reference["emb"].weight.detach(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("options", [dict(padding_idx=3, scale_grad_by_freq=True), dict(dtype=torch.bfloat16)])

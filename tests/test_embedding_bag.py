@@ -142,7 +142,9 @@ def test_max_norm_renorms_the_rows_as_torch(mode):
     ids, offsets, _ = batch("offsets", torch.int64, None, False)
     out_ref, grad_ref, _ = run(ref, ids, offsets, None)
     out, grad, _ = run(ours, ids, offsets, None)
-    torch.testing.assert_close(ours.weight, ref.weight, rtol=0, atol=2e-7)
+    # Within two ulps: torch's norm sums in another order at each
+    # ATEN_CPU_CAPABILITY (its scalar build: 2 ulps of a 1.3 from ours).
+    torch.testing.assert_close(ours.weight, ref.weight, rtol=2.4e-7, atol=2e-7)
     torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-6)
     torch.testing.assert_close(grad, grad_ref, rtol=0, atol=1e-6)
 
