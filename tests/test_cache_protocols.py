@@ -107,16 +107,6 @@ def test_the_harness_writes_a_row_per_protocol_cache_and_state(tmp_path, monkeyp
     assert float(cells[columns.index("PCIe MiB/step (modelled)")]) > 0
 
 
-def _allocated_bytes(cache):
-    """The bytes of the cache's records as allocated: each storage behind
-    its record tensors once."""
-    storages = {}
-    for records in cache.cached.values():
-        storage = records.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
 def test_the_reported_record_size_is_the_records_the_cache_allocates(tmp_path, monkeypatch):
     """The bytes a row of cache the harness reports are those of the
     records the cache allocated for its rows (weight, each state tensor,
@@ -133,7 +123,9 @@ def test_the_reported_record_size_is_the_records_the_cache_allocates(tmp_path, m
         if cache is not None:
             tensors = list(cache.cached.values())
             assert all(t.shape[0] == cache.capacity == module.cache_rows for t in tensors)
-            seen.append({"allocated": _allocated_bytes(cache), "capacity": cache.capacity,
+            # The harness's own count of the storages, checked against the
+            # tensors' shapes below (nothing hidden beside them).
+            seen.append({"allocated": cache_step.allocated_record_bytes(cache), "capacity": cache.capacity,
                          "by_shape": sum(t.element_size() * t.numel() for t in tensors),
                          "keys": sorted(cache.cached)})
         return result
