@@ -35,7 +35,8 @@ pass() {  # $1: label, $2: tree, then environment assignments
     # one ATEN_CPU_CAPABILITY from another's, and one built for another
     # level gave wrong losses and heap corruption when loaded (seen here).
     mkdir -p "$work/inductor-$label"
-    (cd "$tree" && env "$@" TORCHINDUCTOR_CACHE_DIR="$work/inductor-$label" PYTHONPATH="$tree/python" \
+    # HOSTEMBED_CUDA=0 as built: tests/test_cuda_build.py checks the build had it.
+    (cd "$tree" && env HOSTEMBED_CUDA=0 "$@" TORCHINDUCTOR_CACHE_DIR="$work/inductor-$label" PYTHONPATH="$tree/python" \
         "$python" -m pytest -q -p no:cacheprovider -rf "${args[@]}" 2>&1 | grep -E "^FAILED|^ERROR|passed|failed") \
         || failed=$((failed + 1))
 }
