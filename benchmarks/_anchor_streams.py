@@ -61,6 +61,9 @@ class Workload:
     optimizer: str = "adam"
     lr: float = 1e-3
     notes: dict = field(default_factory=dict)
+    # Rows, most probable first, where the generator's law says (FBGEMM's:
+    # its rank -> row map, tables folded); None where it does not.
+    hottest: object = None
 
 
 def _scaled(n, scale):
@@ -161,7 +164,9 @@ def fbgemm(scale=1.0, iters=100, tables=32, alpha=1.15, reuse=0.1, bag_size=20, 
                     timed=list(range(iters, 2 * iters)), after=0, bag_size=bag_size,
                     optimizer="rowwise_adagrad", lr=0.01,
                     notes={"tables": tables, "rows_per_table": rows, "bags_per_table": batch, "bag_size": bag_size,
-                           "alpha": alpha, "reuse": reuse, "unique_per_step": unique})
+                           "alpha": alpha, "reuse": reuse, "unique_per_step": unique},
+                    # A rank's mass, summed over the tables, falls with it.
+                    hottest=(rank_to_row.cpu()[:, None] + torch.arange(tables)[None, :] * rows).reshape(-1))
 
 
 def reference(protocol, scale=1.0, warmup=10, steps=20, stream=10, alpha=1.05, seed=0, device="cpu"):

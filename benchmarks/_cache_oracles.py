@@ -81,13 +81,7 @@ def load(protocol, scale=1.0, seed=0, tables=1):
               "timed_batches": len(w.timed), "cache_base_rows": base,
               "unique_per_step": float(np.mean([b.size for b in batches[len(w.warmup):]])),
               **{k: v for k, v in w.notes.items() if k != "unique_per_step"}}
-    hottest = None
-    if protocol == "fbgemm":
-        # The generator's first draw is its rank -> row map (shared by the
-        # tables); a rank's mass, summed over its residues, falls with it.
-        rows, tables = w.notes["rows_per_table"], w.notes["tables"]
-        rank_to_row = torch.randperm(rows, generator=torch.Generator().manual_seed(seed)).numpy()
-        hottest = (rank_to_row[:, None] + np.arange(tables, dtype=np.int64)[None, :] * rows).reshape(-1)
+    hottest = None if w.hottest is None else w.hottest.numpy().astype(np.int64)
     return Stream(protocol, w.rows, batches, len(w.warmup), base, params, hottest)
 
 
