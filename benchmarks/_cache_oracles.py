@@ -23,10 +23,12 @@ Oracles:
     time and the batch decides only what the next batches find, it is
     optimal for the batched stream too.
 
-The simulator (simulate) replays policies in numpy: "sweep" is the shipped
+The simulator (simulate) replays policies in numpy: "sweep" is the clock
 policy's CLOCK sweep (include/he_cache_policy.h), one vectorised pass per
 round of the hand, as the GPU decides it; "sorted" pairs the misses, most
-used first, with the eligible slots, least used first. Both admit a miss
+used first, with the eligible slots, least used first, as the frequency
+policy does. SHIPPED names the two the planners implement; the simulator
+makes their decisions exactly (tests/test_cache_plan_oracles.py). Both admit a miss
 only against a row used less (fewer uses; or, where recency_ties says, as
 many uses, the last longer ago); only a window (Policy.window, .gate)
 takes rows the frequency rule turned away, in slots set apart for them."""
@@ -200,14 +202,14 @@ class Policy:
     gate_span: int = 2
 
 
-CURRENT = Policy("current: 4-bit, /2 every 10, sweep")
+CLOCK = Policy("clock (the planners' policy=\"clock\"): 4-bit, /2 every 10, sweep")
 M16 = 2**16 - 1
 _LFU = dict(count_max=M16, age_period=0)
 _BEST = dict(victim="sorted", before=True, recency_ties=1, mru_victims=True, margin=1, **_LFU)
 # The candidates the report replays (--candidates picks by index), in the
 # order they were tried: each fixes what the one before it got wrong.
 CANDIDATES = [
-    CURRENT,
+    CLOCK,
     Policy("16-bit, no aging, sweep", **_LFU),
     Policy("16-bit, no aging, sweep, no second chance", reference=False, **_LFU),
     Policy("16-bit, no aging, sweep, count before the batch", before=True, **_LFU),
@@ -222,9 +224,12 @@ CANDIDATES = [
     Policy("F + fixed 17% FIFO window for turned-away misses", window=0.17, **_BEST),
     Policy("F + gated window (last batch's turned away, <= 30% of slots)", gate=0.3, gate_span=1, **_BEST),
     Policy("F + gated window (last 2 batches' turned away, <= 30% of slots)", gate=0.3, gate_span=2, **_BEST),
-    Policy("RECOMMENDED: F + gated window (last 3 batches' turned away, <= 30% of slots)", gate=0.3,
-           gate_span=3, **_BEST),
+    Policy("frequency (the planners' default): F + gated window (last 3 batches' turned away, <= 30% of "
+           "slots)", gate=0.3, gate_span=3, **_BEST),
 ]
+FREQUENCY = CANDIDATES[-1]
+# The planners' policies (include/he_cache_policy.h), by CachePlanner's names.
+SHIPPED = {"clock": CLOCK, "frequency": FREQUENCY}
 
 
 class _Cache:
@@ -241,7 +246,8 @@ class _Cache:
         self.window = int(round(policy.window * capacity)) if capacity > 1 else 0
         self.turned_at = np.full(rows, -1 << 40, dtype=np.int64)  # when last turned away (gate)
         self.recent_turned = []  # how many were, in each of the last gate_span batches
-        self.reuse_rate = self.main_rate = 0.0
+        self.reuse_rate = self.main_rate = 0  # fixed point, 32 fraction bits
+        self.window_opened = False
         self.hand = self.window  # main slots: [window, capacity)
         self.window_hand = 0
 
@@ -271,10 +277,10 @@ class _Cache:
         return admit
 
 
-def simulate(stream, capacity, policy, protect=1):
+def simulate(stream, capacity, policy, protect=1, report=None):
     """Hit rate over the timed batches of `policy` with a cache of
     `capacity` slots; protect as the planner's (1, or 2 when planned a
-    step ahead)."""
+    step ahead). report: a dict to fill with whether a window opened."""
     c = _Cache(stream.rows, capacity, policy)
     hits = 0
     for batch, b in enumerate(stream.batches, start=1):
@@ -299,6 +305,8 @@ def simulate(stream, capacity, policy, protect=1):
         if c.window and turned.size:
             _window(c, turned, batch, protect)
         c.last[b] = batch
+    if report is not None:
+        report["window_opened"] = c.window_opened
     return hit_rate(hits, stream.batches[stream.warmup:])
 
 
@@ -332,33 +340,44 @@ def _sweep(c, policy, misses, batch, protect):
     return np.sort(np.concatenate(turned))
 
 
+# include/he_cache_policy.h's sort keys: ages saturate at 2^20 - 1 batches,
+# the slot or the miss's place in its batch in the low 28 bits.
+AGE_BITS, INDEX_BITS = 20, 28
+AGE_MAX = (1 << AGE_BITS) - 1
+
+
+def _key(count, recency, index):
+    return (count.astype(np.uint64) << np.uint64(AGE_BITS + INDEX_BITS)) | \
+        (recency.astype(np.uint64) << np.uint64(INDEX_BITS)) | index.astype(np.uint64)
+
+
 def _sorted(c, policy, misses, batch, protect):
-    """The misses, most used first (then most recently used before, with
-    recency_ties; then lower row), paired with the eligible (empty or
+    """The misses, most used first (then, with recency_ties, most recently
+    used before; then lower row), paired with the eligible (empty or
     unprotected) main slots: empty first, then least used, then by last
-    use (see Policy.mru_victims); the i-th miss takes the i-th slot if
-    admits() says so. Along both orders the miss's key falls and the
-    slot's rises, so the admitted misses are a prefix: on a GPU, a radix
-    sort of each side's keys (or, since only the k lowest slots matter, a
-    histogram of the 16-bit counts, a scan for the cut, and a sort of the
-    slots at it), then one compare a pair. Returns the misses turned away,
-    ascending."""
+    use (see Policy.mru_victims), then lower slot; the i-th miss takes the
+    i-th slot if admits() says so. Both orders are total, as the keys of
+    include/he_cache_policy.h (he_cache_miss_key, he_cache_victim_key)
+    make them, so the planners' sorts and this one pair alike. Returns the
+    misses turned away, ascending."""
     eligible = c.window + np.nonzero((c.row_of[c.window:] < 0) | (c.used_at[c.window:] <= batch - protect))[0]
     k = min(misses.size, eligible.size)
     if k == 0:
         return misses
     occ = c.row_of[eligible]
-    vcount = c.count[np.maximum(occ, 0)].astype(np.int64)
-    # Equal counts: least recently used first, or (mru_victims) most
-    # recently used first above the counts whose ties go by recency.
-    recency = c.used_at[eligible]
+    vcount = np.where(occ < 0, 0, c.count[np.maximum(occ, 0)]).astype(np.int64)
+    age = np.minimum(batch - c.used_at[eligible], AGE_MAX)
     if policy.mru_victims:
-        recency = np.where(vcount > policy.recency_ties, (1 << 31) - recency, recency)
-    vkey = np.where(occ < 0, -1, vcount * (1 << 32) + recency)
+        recency = np.where(vcount > policy.recency_ties, age, AGE_MAX - age)
+    else:
+        recency = AGE_MAX - age
+    vkey = _key(vcount, np.where(occ < 0, 0, recency), eligible)
     part = np.argpartition(vkey, k - 1)[:k] if k < eligible.size else np.arange(eligible.size)
-    victims = eligible[part[np.argsort(vkey[part], kind="stable")]]
-    order = np.lexsort((misses, -c.last[misses] if policy.recency_ties else misses,
-                        -c.count[misses].astype(np.int64)))
+    victims = eligible[part[np.argsort(vkey[part])]]
+    mcount = np.minimum(c.count[misses].astype(np.int64), policy.count_max)
+    mage = np.minimum(batch - np.maximum(c.last[misses], 0), AGE_MAX) if policy.recency_ties else 0 * mcount
+    mkey = _key(policy.count_max - mcount, mage, np.arange(misses.size))
+    order = np.argsort(mkey)
     rows = misses[order[:k]]
     admit = c.admits(policy, rows, victims)
     c.place(rows[admit], victims[admit], batch)
@@ -371,24 +390,28 @@ def _gate(c, policy, rows, turned, batch):
     per slot and batch, by the batch's rows turned away that recently (a
     stamp a row says which) over those turned away; a main slot given up
     loses the least used main row's uses per batch (its count / batches).
-    Both as moving averages, whether the window is open or not; while the
-    first is higher the window holds those rows (at most gate of the
-    slots), otherwise it shuts (its slots back to the main rule, their
-    rows kept). On a replayed stream, whose rows come back a period later,
-    it stays shut. A GPU needs the stamp, a count of the batch's recent
-    ones, and a min over the main slots' counts."""
+    Both as moving averages (4/5 of the last and 1/5 of the new, in fixed
+    point with 32 fraction bits, as he_cache_gate_update computes them),
+    whether the window is open or not; while the first is higher the window
+    holds those rows (at most gate of the slots), otherwise it shuts (its
+    slots back to the main rule, their rows kept). On a replayed stream,
+    whose rows come back a period later, it stays shut."""
     C, span = c.row_of.size, int(policy.gate_span)
-    if sum(c.recent_turned):
-        back = int((c.turned_at[rows] >= batch - span).sum()) / sum(c.recent_turned)
+    recent = sum(c.recent_turned)
+    if recent:
+        back = int((c.turned_at[rows] >= batch - span).sum())
         main = c.row_of[c.window:]
         main = main[main >= 0]
-        c.reuse_rate = 0.8 * c.reuse_rate + 0.2 * back
-        c.main_rate = 0.8 * c.main_rate + 0.2 * (c.count[main].min() / batch if main.size else 0.0)
+        least = int(c.count[main].min()) if main.size else 0
+        c.reuse_rate = (4 * c.reuse_rate + (back << 32) // recent) // 5
+        c.main_rate = (4 * c.main_rate + (least << 32) // batch) // 5
     c.turned_at[turned] = batch
     c.recent_turned = (c.recent_turned + [turned.size])[-span:]
-    want = int(min(policy.gate * C, sum(c.recent_turned))) if c.reuse_rate > c.main_rate else 0
+    most = C * int(round(policy.gate * 100)) // 100
+    want = min(most, sum(c.recent_turned)) if c.reuse_rate > c.main_rate else 0
     c.window = want
     c.window_hand = c.window_hand % want if want else 0
+    c.window_opened = c.window_opened or want > 0
 
 
 def _window(c, rows, batch, protect):

@@ -53,7 +53,9 @@ import numpy as np
 import torch
 
 import _cache_oracles as oracles
-from _common import RESULTS_DIR, ZipfIds, fmt_ms, log, machine_info, require_hostembed, summarize_ms, write_json
+from _cache_plan_rows import policy_rows, reference_rows
+from _common import (RESULTS_DIR, ZipfIds, fmt_ms, log, machine_info, require_hostembed, run_context, summarize_ms,
+                     write_json, write_rows)
 
 hostembed = require_hostembed()
 from hostembed._core import _C  # noqa: E402  (after the build check above)
@@ -81,6 +83,8 @@ def parse_args(argv=None):
                    "with --protocol each protocol's: " + "; ".join(f"{k} {v}" for k, v in PROTOCOL_FRACTIONS.items())
                    + "; FBGEMM's are of all rows, its cache_load_factor)")
     p.add_argument("--lookahead", action="store_true", help="plan each batch a step ahead (protect 2)")
+    p.add_argument("--policy", choices=("frequency", "clock"), default="frequency",
+                   help="the planner's policy (include/he_cache_policy.h) for the reference stream")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--protocol", default="", help="anchor streams to compare policies on: "
                    "dynamicemb, fbgemm, fresh, replayed (comma list); empty: the reference stream above")
@@ -119,7 +123,7 @@ def unique_rows(ids, num_rows):
 
 
 def run_size(args, capacity, batches, first_touch):
-    planner = CachePlanner(args.rows, capacity, lookahead=args.lookahead)
+    planner = CachePlanner(args.rows, capacity, lookahead=args.lookahead, policy=args.policy)
     for unique in batches[:args.warmup]:
         planner.plan(unique)
     start = planner.stats
@@ -179,6 +183,7 @@ def main(argv=None):
         report["sizes"][f"{fraction:g}"] = run_size(args, capacity, batches, first_touch)
     print_report(args, report)
     write_json(args.json, report)
+    write_rows(os.path.dirname(os.path.abspath(args.json)), reference_rows(report, run_context("cache_plan")))
 
 
 def print_report(args, report):
@@ -186,7 +191,7 @@ def print_report(args, report):
     print(f"\n{args.batch:,} Zipf({args.alpha}) lookups a step over {args.rows:,} rows ({stream}): "
           f"{report['unique_per_step']:,.0f} unique rows a step, {report['touched_rows']:,} touched; "
           f"{args.warmup} batches warm-up, {args.steps} timed; "
-          f"{'planned a step ahead' if args.lookahead else 'planned after each step'}; Dedup "
+          f"{'planned a step ahead' if args.lookahead else 'planned after each step'}, policy {args.policy}; Dedup "
           f"{fmt_ms(report['dedup']['median_ms'])} ms a step ({torch.get_num_threads()} threads)\n")
     print("| cache (of touched rows) | slots | hit rate | fetches/step | evictions/step | bypassed/step | "
           "records moved/step | first touches/step | plan ms/step |")
@@ -200,9 +205,9 @@ def print_report(args, report):
 
 
 
-def planner_hit_rate(stream, capacity, protect):
+def planner_hit_rate(stream, capacity, protect, policy="frequency"):
     """The CPU planner's hit rate over the stream's timed batches."""
-    planner = CachePlanner(stream.rows, capacity, lookahead=protect == 2)
+    planner = CachePlanner(stream.rows, capacity, lookahead=protect == 2, policy=policy)
     for unique in stream.batches[:stream.warmup]:
         planner.plan(torch.from_numpy(unique))
     start = planner.stats
@@ -214,6 +219,7 @@ def planner_hit_rate(stream, capacity, protect):
 
 def compare_policies(args):
     protect = args.protect
+    context = run_context("cache_plan")
     report = {"machine": machine_info(), "args": {k: v for k, v in vars(args).items() if k != "json"},
               "protect": protect, "workloads": {}, "rows": []}
     for protocol in args.protocol:
@@ -224,7 +230,8 @@ def compare_policies(args):
             f"({time.perf_counter() - t0:.0f} s to draw)")
         report["workloads"][protocol] = stream.params
         fractions = args.fractions or [float(x) for x in PROTOCOL_FRACTIONS[protocol].split(",")]
-        policies = [("CPU planner", "planner", lambda c: planner_hit_rate(stream, c, protect)),
+        policies = [("CPU planner, frequency (default)", "planner", lambda c: planner_hit_rate(stream, c, protect)),
+                    ("CPU planner, clock", "planner", lambda c: planner_hit_rate(stream, c, protect, "clock")),
                     ("static top-frequency", "oracle", lambda c: oracles.static_top(stream, c))]
         if protocol == "fbgemm":
             policies.append(("static top ranks", "oracle", lambda c: oracles.static_ranks(stream, c)))
@@ -246,6 +253,7 @@ def compare_policies(args):
                                        "protect": protect, "workload": stream.params})
         # After each protocol: a run stopped later keeps the finished ones.
         write_json(args.json, report)
+        write_rows(os.path.dirname(os.path.abspath(args.json)), policy_rows(report, context))
         print_comparison(report, protocol)
         del stream
 

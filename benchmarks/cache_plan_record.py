@@ -1,9 +1,12 @@
-"""The GPU row cache's planner (cuda/cache.cu) against its host twin, the CPU
-planner (csrc/cache_plan.c), on fixed streams: every batch's slots and
-evictions, and at the end where every row is. With a GPU it records the
-GPU's decisions to a file and compares them with the CPU's; CI replays the
-CPU planner against the recorded file (tests/test_cache_plan.py), so a
-change of either planner that makes them differ fails without a GPU.
+"""The GPU row cache's planner (cuda/cache_plan.cu) against its host twin,
+the CPU planner (csrc/cache_plan.c), on fixed streams: every batch's slots
+and evictions, and at the end where every row is, for each policy. With a
+GPU it records the GPU's decisions to a file and compares them with the
+CPU's; CI replays the CPU planner against the recorded file
+(tests/test_cache_plan.py), so a change of either planner that makes them
+differ fails without a GPU. tests/fixtures/gpu_cache_plans.pt holds the
+clock policy's (CONFIGS, recorded on an H200 on 2026-11-26); the frequency
+policy's (FREQUENCY_CONFIGS) wait for a GPU to record them.
 
     python benchmarks/cache_plan_record.py OUT.pt     # a GPU: record and compare
 """
@@ -21,6 +24,14 @@ CONFIGS = (
     dict(rows=3000, capacity=2500, protect=2, seed=3),
     dict(rows=500, capacity=1, protect=2, seed=4),
 )
+# The frequency policy on the same streams, and on a stream whose rows
+# recur a few batches apart (fresh=True: each batch's draws half from the
+# last batches' rows), where its window opens.
+FREQUENCY_CONFIGS = tuple(dict(c, policy="frequency") for c in CONFIGS) + (
+    dict(rows=20000, capacity=1500, protect=2, seed=5, policy="frequency", fresh=True),
+    dict(rows=20000, capacity=1500, protect=1, seed=6, policy="frequency", fresh=True),
+)
+ALL_CONFIGS = CONFIGS + FREQUENCY_CONFIGS
 BATCHES = 45
 
 
@@ -33,14 +44,22 @@ def stream(config):
             batches.append(torch.empty(0, dtype=torch.int64))
             continue
         u = torch.rand(250, generator=gen, dtype=torch.float64)
-        batches.append(torch.unique((config["rows"] * u ** 4).long()))
+        rows = (config["rows"] * u ** 4).long()
+        if config.get("fresh") and b > 2:
+            # Half the draws: rows new in one of the last three batches.
+            recent = torch.cat(batches[-3:])
+            pick = torch.randint(recent.numel(), (125,), generator=gen)
+            rows = torch.cat([rows[:125], recent[pick] if recent.numel() else rows[125:],
+                              torch.randint(config["rows"], (250,), generator=gen)])
+        batches.append(torch.unique(rows))
     return batches
 
 
 def cpu_decisions(config):
     """[(slot, evict_slot, evict_row) a batch], slot of every row at the end."""
     from hostembed._core.ops.cache_plan import CachePlanner
-    planner = CachePlanner(config["rows"], config["capacity"], lookahead=config["protect"] == 2)
+    planner = CachePlanner(config["rows"], config["capacity"], lookahead=config["protect"] == 2,
+                           policy=config.get("policy", "clock"))
     out = []
     for unique in stream(config):
         plan = planner.plan(unique)
@@ -51,7 +70,8 @@ def cpu_decisions(config):
 def gpu_decisions(config, device="cuda"):
     """cpu_decisions' lists, made by the GPU planner."""
     from hostembed._core.ops.gpu_cache import GpuCacheState
-    state = GpuCacheState(config["rows"], config["capacity"], config["protect"], device)
+    state = GpuCacheState(config["rows"], config["capacity"], config["protect"], device,
+                          config.get("policy", "clock"))
     out = []
     for unique in stream(config):
         n = unique.numel()
@@ -84,7 +104,7 @@ def main(argv=None):
     if len(argv) != 1:
         sys.exit(__doc__)
     recorded = []
-    for config in CONFIGS:
+    for config in ALL_CONFIGS:
         gpu = gpu_decisions(config)
         diff = differences(gpu, cpu_decisions(config))
         print(f"{config}: {'the same decisions' if not diff else 'DIFFER: ' + ', '.join(diff[:5])}")

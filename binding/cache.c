@@ -4,6 +4,7 @@
 #include "binding.h"
 
 #include "cache_plan.h"
+#include "he_cache_policy.h"
 
 /* The planner is not thread-safe and plan() releases the GIL: a lock
  * keeps two Python threads from planning on one planner at once. */
@@ -15,10 +16,11 @@ typedef struct {
 
 static PyObject *heb_cache_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"num_rows", "capacity", "protect", NULL};
+    static char *kwlist[] = {"num_rows", "capacity", "protect", "policy", NULL};
     long long num_rows, capacity;
-    int protect;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$LLi:CachePlanner", kwlist, &num_rows, &capacity, &protect))
+    int protect, policy;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$LLii:CachePlanner", kwlist, &num_rows, &capacity, &protect,
+                                     &policy))
         return NULL;
     heb_cache *self = (heb_cache *)type->tp_alloc(type, 0);
     if (!self)
@@ -28,7 +30,7 @@ static PyObject *heb_cache_new(PyTypeObject *type, PyObject *args, PyObject *kwd
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
-    he_status st = he_cache_new(num_rows, capacity, protect, &self->c);
+    he_status st = he_cache_new(num_rows, capacity, protect, policy, &self->c);
     if (st != HE_OK) {
         Py_DECREF(self);
         return heb_raise_status(st);
@@ -141,9 +143,9 @@ static PyGetSetDef heb_cache_getset[] = {
 static PyTypeObject heb_cache_type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "hostembed._core._C.CachePlanner",
-    .tp_doc = "CachePlanner(*, num_rows, capacity, protect)\n--\n\n"
+    .tp_doc = "CachePlanner(*, num_rows, capacity, protect, policy)\n--\n\n"
               "The row cache's planner: which rows are in which of `capacity` slots; protect 1 (plans made "
-              "after the last step) or 2 (a step ahead)",
+              "after the last step) or 2 (a step ahead); policy CACHE_FREQUENCY or CACHE_CLOCK",
     .tp_basicsize = sizeof(heb_cache),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = heb_cache_new,
@@ -161,5 +163,8 @@ int heb_cache_add(PyObject *module)
         Py_DECREF(&heb_cache_type);
         return -1;
     }
+    if (PyModule_AddIntConstant(module, "CACHE_CLOCK", HE_CACHE_CLOCK) < 0 ||
+        PyModule_AddIntConstant(module, "CACHE_FREQUENCY", HE_CACHE_FREQUENCY) < 0)
+        return -1;
     return 0;
 }

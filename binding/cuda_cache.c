@@ -12,7 +12,8 @@
 #include "quantize.h"
 
 /* cache = (entry, num_rows, row_of, used_at, referenced, capacity,
- * counters, protect). */
+ * counters, protect, policy, count, last, turned_at, slot_count): the
+ * last four 0 for the clock policy. */
 static int heb_cuda_cache_converter(PyObject *obj, void *out)
 {
     he_cuda_cache *c = out;
@@ -21,19 +22,26 @@ static int heb_cuda_cache_converter(PyObject *obj, void *out)
     HEB_ADDRESS(used_at);
     HEB_ADDRESS(referenced);
     HEB_ADDRESS(counters);
+    HEB_ADDRESS(count);
+    HEB_ADDRESS(last);
+    HEB_ADDRESS(turned_at);
+    HEB_ADDRESS(slot_count);
     long long num_rows, capacity;
-    int protect;
+    int protect, policy;
     if (!PyTuple_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "cache must be a tuple (entry, num_rows, row_of, used_at, referenced, "
-                                      "capacity, counters, protect), got %.100s", Py_TYPE(obj)->tp_name);
+                                      "capacity, counters, protect, policy, count, last, turned_at, slot_count), "
+                                      "got %.100s", Py_TYPE(obj)->tp_name);
         return 0;
     }
-    if (!PyArg_ParseTuple(obj, "O&LO&O&O&LO&i:cache", heb_address_converter, &entry, &num_rows,
+    if (!PyArg_ParseTuple(obj, "O&LO&O&O&LO&iiO&O&O&O&:cache", heb_address_converter, &entry, &num_rows,
                           heb_address_converter, &row_of, heb_address_converter, &used_at, heb_address_converter,
-                          &referenced, &capacity, heb_address_converter, &counters, &protect))
+                          &referenced, &capacity, heb_address_converter, &counters, &protect, &policy,
+                          heb_address_converter, &count, heb_address_converter, &last, heb_address_converter,
+                          &turned_at, heb_address_converter, &slot_count))
         return 0;
     *c = (he_cuda_cache){entry.ptr, num_rows, row_of.ptr, used_at.ptr, referenced.ptr, capacity, counters.ptr,
-                         protect};
+                         protect, policy, count.ptr, last.ptr, turned_at.ptr, slot_count.ptr};
     return 1;
 }
 
@@ -81,15 +89,16 @@ static int heb_cache_arrays(PyObject *records, PyObject *host, long long num_row
 static PyObject *heb_cuda_cache_plan_workspace(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
-    static char *kwlist[] = {"n", "capacity", "device", NULL};
+    static char *kwlist[] = {"n", "capacity", "policy", "device", NULL};
     long long n, capacity;
-    int device;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$LLi:cuda_cache_plan_workspace", kwlist, &n, &capacity, &device))
+    int policy, device;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$LLii:cuda_cache_plan_workspace", kwlist, &n, &capacity, &policy,
+                                     &device))
         return NULL;
     size_t bytes = 0;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = he_cuda_cache_plan_workspace(n, capacity, device, &bytes);
+    st = he_cuda_cache_plan_workspace(n, capacity, policy, device, &bytes);
     Py_END_ALLOW_THREADS
     if (st != HE_OK)
         return heb_raise_status(st);
@@ -229,6 +238,75 @@ static PyObject *heb_cuda_cache_adam(PyObject *mod, PyObject *args, PyObject *kw
     Py_RETURN_NONE;
 }
 
+/* records, host: the weight, then optimizer `kind`'s state if it keeps
+ * one (Adagrad's sum [num_rows, dim], row-wise Adagrad's row_sum
+ * [num_rows, 1]), each HostBuffer checked against its rows; whether the
+ * count fits the kind is he_cuda_cache_update's to say. 0, or -1 with an
+ * exception. */
+static int heb_optim_arrays(PyObject *records, PyObject *host, long long num_rows, long long dim, int kind,
+                            he_cuda_cache_arrays *a)
+{
+    static const char *const names[2][2] = {{"records[0] (weight)", "host[0] (weight)"},
+                                            {"records[1] (state)", "host[1] (state)"}};
+    if (!PyTuple_Check(records) || !PyTuple_Check(host)) {
+        PyErr_Format(PyExc_TypeError, "records and host must be tuples, got %.100s and %.100s",
+                     Py_TYPE(records)->tp_name, Py_TYPE(host)->tp_name);
+        return -1;
+    }
+    Py_ssize_t count = PyTuple_GET_SIZE(records);
+    if (count != PyTuple_GET_SIZE(host) || count < 1 || count > 2) {
+        PyErr_Format(PyExc_ValueError, "records and host must be tuples of 1 or 2 (the weight, then the optimizer's "
+                     "state if it keeps one), as many of each, got %zd and %zd", count, PyTuple_GET_SIZE(host));
+        return -1;
+    }
+    memset(a, 0, sizeof *a);
+    a->count = (int)count;
+    a->dim = dim;
+    for (int i = 0; i < a->count; i++) {
+        long long width = i > 0 && kind == HE_OPTIM_ROWWISE_ADAGRAD ? 1 : dim; /* one value a row */
+        void *record, *rows;
+        if (heb_record_and_host(names[i][0], names[i][1], PyTuple_GET_ITEM(records, i), PyTuple_GET_ITEM(host, i),
+                                num_rows, width, &record, &rows) < 0)
+            return -1;
+        a->records[i] = record;
+        a->host[i] = rows;
+    }
+    return 0;
+}
+
+static PyObject *heb_cuda_cache_update(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    (void)mod;
+    static char *kwlist[] = {"cache", "records", "host", "dim", "kind", "indices", "values", "nnz", "lr", "eps",
+                             "lr_decay", "step", "maximize", "weight_decay", "device", "stream", NULL};
+    he_cuda_cache c;
+    PyObject *records, *host;
+    HEB_ADDRESS(indices);
+    HEB_ADDRESS(values);
+    HEB_ADDRESS(stream);
+    long long dim, nnz, step;
+    he_optim_params hp = {0};
+    int maximize, device;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&OOLiO&O&LdddLpdiO&:cuda_cache_update", kwlist,
+                                     heb_cuda_cache_converter, &c, &records, &host, &dim, &hp.kind,
+                                     heb_address_converter, &indices, heb_address_converter, &values, &nnz, &hp.lr,
+                                     &hp.eps, &hp.lr_decay, &step, &maximize, &hp.weight_decay, &device,
+                                     heb_address_converter, &stream))
+        return NULL;
+    he_cuda_cache_arrays a;
+    if (heb_optim_arrays(records, host, c.num_rows, dim, hp.kind, &a) < 0)
+        return NULL;
+    hp.step = step;
+    hp.maximize = maximize;
+    he_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = he_cuda_cache_update(&c, &a, indices.ptr, values.ptr, nnz, &hp, device, stream.ptr);
+    Py_END_ALLOW_THREADS
+    if (st != HE_OK)
+        return heb_raise_status(st);
+    Py_RETURN_NONE;
+}
+
 /* A moment's codes as float32 words a row (the HostBuffers, and the
  * moves, hold words): 0, or -1 with ValueError. */
 static int heb_compact_words(const char *what, int dtype, long long dim, long long *words)
@@ -356,7 +434,7 @@ static PyObject *heb_cuda_cache_sync_records(PyObject *mod, PyObject *args, PyOb
 
 static PyMethodDef heb_cuda_cache_methods[] = {
     {"cuda_cache_plan_workspace", HEB_KW_FUNC(heb_cuda_cache_plan_workspace), METH_VARARGS | METH_KEYWORDS,
-     "cuda_cache_plan_workspace($module, /, *, n, capacity, device)\n--\n\n"
+     "cuda_cache_plan_workspace($module, /, *, n, capacity, policy, device)\n--\n\n"
      "Bytes of device scratch for cuda_cache_plan"},
     {"cuda_cache_plan", HEB_KW_FUNC(heb_cuda_cache_plan), METH_VARARGS | METH_KEYWORDS,
      "cuda_cache_plan($module, /, *, cache, unique, n, batch, slot, miss, evict_row, workspace, workspace_bytes, "
@@ -377,6 +455,11 @@ static PyMethodDef heb_cuda_cache_methods[] = {
      "cuda_cache_adam_compact($module, /, *, cache, records, host, dim, m_dtype, v_dtype, indices, values, nnz, lr, "
      "beta1, beta2, eps, step, maximize, weight_decay, device, stream)\n--\n\n"
      "cuda_cache_adam on bfloat16 or 8-bit moments (their scales after them), with the CPU core's bits"},
+    {"cuda_cache_update", HEB_KW_FUNC(heb_cuda_cache_update), METH_VARARGS | METH_KEYWORDS,
+     "cuda_cache_update($module, /, *, cache, records, host, dim, kind, indices, values, nnz, lr, eps, lr_decay, "
+     "step, maximize, weight_decay, device, stream)\n--\n\n"
+     "SGD, Adagrad or row-wise Adagrad (kind) of distinct rows, each in its slot or in host memory, with the CPU "
+     "core's bits"},
     {"cuda_cache_sync_records", HEB_KW_FUNC(heb_cuda_cache_sync_records), METH_VARARGS | METH_KEYWORDS,
      "cuda_cache_sync_records($module, /, *, cache, records, host, dim, to_host, device, stream)\n--\n\n"
      "Every occupied slot's records written to their host rows (to_host) or read from them"},

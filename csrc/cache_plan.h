@@ -10,21 +10,20 @@
  * whole round of the hand at once. Both follow include/he_cache_policy.h
  * and make the same decisions (a GPU test compares them batch by batch).
  *
- * Policy (include/he_cache_policy.h): CLOCK (second chance, an LRU
- * approximation) picks the victim, and frequency decides admission: a
- * miss takes the victim's slot only if it was used more often lately than
- * the victim's row; else it bypasses the cache. Measured on the reference
- * stream (benchmarks/cache_plan.py), admission raised the hit rate of a
- * cache of 80% of the rows a replayed stream touches from 39% to 73%, and
- * cut the records moved a step 4.5x; plain CLOCK lets the stream's long
- * tail of rows used once flush the rows used often.
+ * Policies (include/he_cache_policy.h says each): HE_CACHE_FREQUENCY,
+ * the default, counts each row's uses over the whole stream and gives a
+ * slot to a miss only over a row used less, with a window for rows that
+ * come back soon; HE_CACHE_CLOCK, the policy before it, is CLOCK with 4-bit
+ * counts halved every 10 batches (its GPU plans are recorded in
+ * tests/fixtures/gpu_cache_plans.pt). Measured on the anchors' streams
+ * (benchmarks/cache_plan.py --protocol): at 80% of the rows dynamicemb's
+ * stream touches, clock keeps 58.5% of a batch's rows, frequency 91%.
  * A slot used by one of the last `protect` batches planned (the one being
  * planned included) is never evicted: 1 when a batch is planned after the
  * previous step finished, 2 when it is planned a step ahead (look-ahead),
- * while the previous step may still read and update its slots. When the
- * hand has gone round twice, the rest of the batch's misses bypass the
- * cache: they are read and updated in host memory, as without a cache
- * (also those admission turns away). */
+ * while the previous step may still read and update its slots. Misses the
+ * policy does not place bypass the cache: they are read and updated in
+ * host memory, as without a cache. */
 #ifndef HE_CACHE_PLAN_H
 #define HE_CACHE_PLAN_H
 
@@ -69,8 +68,10 @@ typedef struct he_cache_plan {
 } he_cache_plan;
 
 /* A cache of `capacity` slots (1 <= capacity < 2^28 - 1) for a table of
- * num_rows rows, every slot empty; protect is 1 or 2 (see above). */
-he_status he_cache_new(int64_t num_rows, int64_t capacity, int protect, he_cache **out);
+ * num_rows rows, every slot empty; protect is 1 or 2 (see above), policy
+ * HE_CACHE_FREQUENCY or HE_CACHE_CLOCK. The frequency policy keeps 10
+ * bytes a row more than the clock's 4 (allocated as rows are first used). */
+he_status he_cache_new(int64_t num_rows, int64_t capacity, int protect, int policy, he_cache **out);
 void he_cache_free(he_cache *c);
 
 he_status he_cache_plan_init(he_cache_plan *plan, int64_t max_unique);

@@ -2,7 +2,8 @@
  *
  * Plain C (no cuda_runtime.h), so binding/cuda_ops.c includes it without the
  * CUDA headers. It and the kernels see the core only through include/ (the
- * status codes, he_ids' checks, the Adam scalars), never csrc/.
+ * status codes, he_ids' checks, the Adam scalars, the optimizers' kinds and
+ * parameters), never csrc/.
  *
  * Streams travel as void * (torch's current_stream().cuda_stream, an int in
  * Python); `device` is the CUDA device index the work belongs to, made
@@ -29,7 +30,9 @@ extern "C" {
  * he_fail, he_fail_out_of_range, he_check_table_shape and
  * he_adam_make_consts (implemented in csrc/, declared in include/). */
 #include "he_adam.h"
+#include "he_cache_policy.h"
 #include "he_ids.h"
+#include "he_optim.h"
 #include "he_status.h"
 
 /* cudaHostRegister(Mapped | Portable) is refused above some size on some
@@ -123,7 +126,7 @@ he_status he_cuda_sparse_adam(float *weight, float *exp_avg, float *exp_avg_sq, 
 /* The planner's state, in GPU memory: the same arrays as the CPU planner's
  * (csrc/cache_plan.c, its host twin), following include/he_cache_policy.h. */
 typedef struct he_cuda_cache {
-    uint32_t *entry;     /* [num_rows]: each row's entry (slot + 1, recent uses) */
+    uint32_t *entry;     /* [num_rows]: each row's entry (slot + 1; the clock's recent uses) */
     int64_t num_rows;
     int64_t *row_of;     /* [capacity]: the row in each slot, -1: empty */
     int64_t *used_at;    /* [capacity]: the last batch that used the slot */
@@ -131,6 +134,14 @@ typedef struct he_cuda_cache {
     int64_t capacity;
     int64_t *counters;   /* [HE_CUDA_CACHE_COUNTERS], see below */
     int protect;         /* 1 or 2, as the CPU planner's */
+    int policy;          /* HE_CACHE_CLOCK or HE_CACHE_FREQUENCY */
+    /* HE_CACHE_FREQUENCY's (NULL for the clock): per row its uses, the
+     * batch of its last use and of its last turning away (0: never); per
+     * slot its row's uses. */
+    uint16_t *count;
+    uint32_t *last;
+    uint32_t *turned_at;
+    uint16_t *slot_count;
 } he_cuda_cache;
 
 /* counters[]: the hand and a plan's bookkeeping, then counts since the
@@ -145,6 +156,21 @@ enum {
     HE_CUDA_CACHE_HITS,
     HE_CUDA_CACHE_FETCHES,
     HE_CUDA_CACHE_EVICTIONS,
+    /* the frequency policy's: the window (its slots, its hand), a batch's
+     * eligible main slots, its rows turned away lately and now, the least
+     * used main row's uses, the gate's averages and recent counts
+     * (include/he_cache_policy.h's he_cache_gate), and the window's free
+     * slots met and the last one taken */
+    HE_CUDA_CACHE_WINDOW,
+    HE_CUDA_CACHE_WINDOW_HAND,
+    HE_CUDA_CACHE_ELIGIBLE,
+    HE_CUDA_CACHE_BACK,
+    HE_CUDA_CACHE_TURNED,
+    HE_CUDA_CACHE_LEAST,
+    HE_CUDA_CACHE_REUSE,
+    HE_CUDA_CACHE_MAIN,
+    HE_CUDA_CACHE_RECENT, /* HE_CACHE_GATE_SPAN of them */
+    HE_CUDA_CACHE_TAKEN = HE_CUDA_CACHE_RECENT + HE_CACHE_GATE_SPAN,
     HE_CUDA_CACHE_COUNTERS
 };
 
@@ -172,7 +198,7 @@ typedef struct he_cuda_cache_arrays {
 } he_cuda_cache_arrays;
 
 /* Bytes of device scratch he_cuda_cache_plan needs for n rows. */
-he_status he_cuda_cache_plan_workspace(int64_t n, int64_t capacity, int device, size_t *bytes);
+he_status he_cuda_cache_plan_workspace(int64_t n, int64_t capacity, int policy, int device, size_t *bytes);
 
 /* Plans batch number `batch` (1, 2, ...: one more than the last) whose
  * unique rows are unique[0..n) (ascending, distinct, in range: a
@@ -185,9 +211,9 @@ he_status he_cuda_cache_plan(const he_cuda_cache *c, const int64_t *unique, int6
 /* Carries out a plan's moves: each miss given a slot writes the slot's
  * record back to its old row (when it held one), then reads its own row's
  * record into it, over the mapping, every array of `a`. It must follow its
- * plan with no he_cuda_cache_adam between them: the plan has already put
- * the new rows in the map, and an update would find a new row in a slot
- * that still holds the old row's record. */
+ * plan with no update (he_cuda_cache_adam, he_cuda_cache_update) between
+ * them: the plan has already put the new rows in the map, and an update
+ * would find a new row in a slot that still holds the old row's record. */
 he_status he_cuda_cache_move(const he_cuda_cache *c, const he_cuda_cache_arrays *a, const int64_t *unique, int64_t n,
                              const he_cuda_cache_batch *plan, int device, void *stream);
 
@@ -202,6 +228,21 @@ he_status he_cuda_cache_gather(const he_cuda_cache_arrays *a, const int64_t *uni
  * a: weight, exp_avg, exp_avg_sq. */
 he_status he_cuda_cache_adam(const he_cuda_cache *c, const he_cuda_cache_arrays *a, const int64_t *indices,
                              const float *values, int64_t nnz, const he_adam_params *hp, int device, void *stream);
+
+/* SGD, Adagrad or row-wise Adagrad (hp->kind: HE_OPTIM_SGD,
+ * HE_OPTIM_ADAGRAD, HE_OPTIM_ROWWISE_ADAGRAD) of rows indices[0..nnz)
+ * (distinct, in range) with gradient rows values [nnz, dim], float32
+ * state: each row in its slot if the cache holds it now, else in host
+ * memory over the mapping, with the CPU core's bits (csrc/optimizer_rows.inc's
+ * operations in its order; row-wise Adagrad's squares summed in its 8
+ * lanes). a: the weight [*, dim], then the state: none for SGD (count 1),
+ * Adagrad's sum [*, dim] or row-wise Adagrad's row_sum [*, 1] (count 2;
+ * a->dim is the weight's). hp's lr, eps, lr_decay, step and maximize are
+ * read as the core reads them for the kind; like the core's rules for
+ * these kinds, none takes weight_decay. */
+he_status he_cuda_cache_update(const he_cuda_cache *c, const he_cuda_cache_arrays *a, const int64_t *indices,
+                               const float *values, int64_t nnz, const he_optim_params *hp, int device,
+                               void *stream);
 
 /* The records and host rows of a SparseAdam whose moments are compact
  * (csrc/quantize.h's 8-bit forms, or bfloat16), as the CPU core keeps

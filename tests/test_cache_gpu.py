@@ -17,6 +17,7 @@ import torch
 import hostembed
 from hostembed._core import cuda as _cuda
 from hostembed._core.ops import update as _ops
+from hostembed._core.ops.gpu_cache import GpuCacheState
 
 from conftest import zipf_ids
 from test_cache_module import DIM, OPTIMIZERS, ROWS, _batches
@@ -92,6 +93,43 @@ def test_sparse_adam_through_a_gpu_cache_gives_the_uncached_bits(fused, prefetch
     _assert_same(pairs)
 
 
+# The optimizers besides SparseAdam whose records the GPU updates
+# (cuda/he_cuda_optim_cached.cuh): their kind and state keys.
+GPU_UPDATED = {"SGD": (_ops.SGD, ()), "Adagrad": (_ops.ADAGRAD, ("sum",)),
+               "RowWiseAdagrad": (_ops.ROWWISE_ADAGRAD, ("row_sum",))}
+
+
+@pytest.mark.parametrize("ids_device", ["cpu", "cuda"])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["planned-at-lookup", "planned-ahead"])
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("name", list(GPU_UPDATED))
+def test_sgd_and_adagrads_through_a_gpu_cache_give_the_uncached_bits(monkeypatch, name, fused, prefetch, ids_device):
+    """SGD, Adagrad (lr_decay on: its step counts) and row-wise Adagrad
+    (one value a row, records one word wide) update their records in GPU
+    memory, every step by the kernel (cuda/cache.cu's he_cuda_cache_update),
+    to the CPU core's bits: the cached table and its state equal the
+    uncached table's, whose update runs on the CPU."""
+    kind, keys = GPU_UPDATED[name]
+    calls, update = [], GpuCacheState.update
+    monkeypatch.setattr(GpuCacheState, "update",
+                        lambda self, *args, **kwargs: calls.append(args[0]) or update(self, *args, **kwargs))
+    pairs = _gpu_pair(name, fused=fused)
+    steps = 60
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no GPU update.*")
+        _train(pairs, _batches(steps), prefetch, ids_device)
+    cached = pairs[1][0]
+    cache = cached._table.cache
+    assert cache.device.type == "cuda" and all(records.is_cuda for records in cache.cached.values())
+    assert set(keys) <= set(cache.cached)
+    if name == "RowWiseAdagrad":
+        assert cache.cached["row_sum"].shape == (cache.capacity,)
+    assert calls == [kind] * steps
+    stats = cached.cache_stats
+    assert stats["hits"] > 0 and stats["evictions"] > 0 and stats["bypassed"] > 0
+    _assert_same(pairs)
+
+
 def test_a_gpu_cache_holding_every_row_reads_and_updates_only_records():
     pairs = _gpu_pair(cache=ROWS)
     batches = _batches(5)
@@ -156,16 +194,17 @@ def test_hot_ids_through_a_small_gpu_cache_give_the_uncached_gpu_bits(fused):
     _assert_same(pairs)
 
 
-@pytest.mark.parametrize("form", ["Adagrad", "int8_rowwise"])
+@pytest.mark.parametrize("form", ["bfloat16_adagrad", "int8_rowwise"])
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_records_moved_to_host_memory_keep_the_uncached_gpu_bits(form, fused):
-    """An optimizer without a GPU update (Adagrad; SparseAdam with a
-    row-wise second moment) moves the records to host memory; with hot
-    ids, the gradient of GPU outputs must still be summed as the uncached
-    GPU path sums it (in chunks), or the cached table drifts from the
-    uncached one by an ulp."""
-    if form == "Adagrad":
-        make = lambda m: hostembed.Adagrad(m.parameters(), lr=0.1, fused=fused)  # noqa: E731
+    """A state without a GPU update (Adagrad's sum in bfloat16; SparseAdam
+    with a row-wise second moment) moves the records to host memory; with
+    hot ids, the gradient of GPU outputs must still be summed as the
+    uncached GPU path sums it (in chunks), or the cached table drifts from
+    the uncached one by an ulp."""
+    if form == "bfloat16_adagrad":
+        make = lambda m: hostembed.Adagrad(m.parameters(), lr=0.1, fused=fused,  # noqa: E731
+                                           state_dtype=torch.bfloat16)
     else:
         make = lambda m: hostembed.SparseAdam(m.parameters(), lr=0.01, fused=fused,  # noqa: E731
                                               state_dtype=torch.int8, rowwise_exp_avg_sq=True)
@@ -224,8 +263,10 @@ def test_checkpoints_and_weight_reads_see_the_gpu_records(tmp_path):
 
 
 def test_an_optimizer_without_a_gpu_update_moves_the_records_to_host_memory():
-    pairs = _gpu_pair("Adagrad")
-    with pytest.warns(UserWarning, match="Adagrad has no GPU update"):
+    # SparseAdam with one second moment a row (FBGEMM's partial row-wise
+    # Adam) has no kernel for records (SGD, Adagrad and RowWiseAdagrad do).
+    pairs = _gpu_pair("SparseAdam", rowwise_exp_avg_sq=True)
+    with pytest.warns(UserWarning, match="SparseAdam's row-wise second moment has no GPU update"):
         _train(pairs, _batches(20))
     assert pairs[1][0]._table.cache.device.type == "cpu"
     _assert_same(pairs)
@@ -249,10 +290,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
 import cache_plan_record  # noqa: E402  (benchmarks/ on the path first)
 
 
-@pytest.mark.parametrize("config", cache_plan_record.CONFIGS, ids=lambda c: f"capacity{c['capacity']}")
+@pytest.mark.parametrize("config", cache_plan_record.ALL_CONFIGS,
+                         ids=lambda c: f"{c.get('policy', 'clock')}-capacity{c['capacity']}-seed{c['seed']}")
 def test_the_gpu_planner_makes_the_cpu_planners_decisions(config):
     gpu = cache_plan_record.gpu_decisions(config)
-    if config["capacity"] in (40, 400):  # one slot is never free of the last two batches; 2500 hold them all
+    if config["capacity"] in (40, 400, 1500):  # one slot is never free of the last two batches; 2500 hold them all
         assert sum(len(evicted) for _, _, evicted in gpu[0]) > 0
     assert cache_plan_record.differences(gpu, cache_plan_record.cpu_decisions(config)) == []
 

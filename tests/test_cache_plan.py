@@ -20,11 +20,12 @@ def _skewed_batch(gen, rows, count):
     return torch.unique((rows * u ** 4).long())
 
 
+@pytest.mark.parametrize("policy", ["frequency", "clock"])
 @pytest.mark.parametrize("lookahead", [False, True])
 @pytest.mark.parametrize("capacity", [1, 40, 400, 5000])
-def test_plans_keep_the_cache_model_consistent(lookahead, capacity):
+def test_plans_keep_the_cache_model_consistent(lookahead, capacity, policy):
     rows, gen = 3000, torch.Generator().manual_seed(capacity + lookahead)
-    planner = CachePlanner(rows, capacity, lookahead=lookahead)
+    planner = CachePlanner(rows, capacity, lookahead=lookahead, policy=policy)
     held = {}  # slot -> row
     previous, previous_bypassed = set(), set()
     totals = dict(rows=0, hits=0, fetches=0, evictions=0, bypassed=0)
@@ -94,7 +95,9 @@ def test_cache_benchmark_finds_every_row_of_a_replayed_stream_in_a_full_cache(tm
     sizes = json.loads(out.read_text())["sizes"]
     full, small = sizes["1"], sizes["0.2"]
     assert full["hit_rate"] == 1.0 and full["record_bytes_per_step"] == 0
-    assert 0 < small["hit_rate"] < 1 and small["evictions_per_step"] > 0
+    # The frequency policy settles on a replayed stream: its rows stay, the
+    # rest bypass the cache, nothing churns.
+    assert 0 < small["hit_rate"] < 1 and small["bypassed_per_step"] > 0 and small["evictions_per_step"] == 0
 
 
 # ---- the executor: training through a cache of CPU records
@@ -219,7 +222,10 @@ def test_the_cpu_planner_makes_the_decisions_recorded_from_the_gpu_planner(monke
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
     import cache_plan_record
     recorded = torch.load(pathlib.Path(__file__).parent / "fixtures" / "gpu_cache_plans.pt", weights_only=True)
-    assert [r["config"] for r in recorded["recorded"]] == list(cache_plan_record.CONFIGS)
+    configs = [r["config"] for r in recorded["recorded"]]
+    # The clock policy's at least (the frequency policy's wait for a GPU).
+    assert all(c in configs for c in cache_plan_record.CONFIGS)
+    assert all(c in cache_plan_record.ALL_CONFIGS for c in configs)
     for r in recorded["recorded"]:
         gpu = (r["batches"], r["final"])
         cpu = cache_plan_record.cpu_decisions(r["config"])

@@ -5,6 +5,8 @@ batch in tests/test_cache_gpu.py) and host-memory records. Training
 through it gives the uncached table's bits, also with each batch planned
 a step ahead (before the previous step's update), and its own waits for
 the device are none on a step's path."""
+import warnings
+
 import pytest
 import torch
 
@@ -29,11 +31,11 @@ def _pair(rows, dim, gen):
     return tables, states
 
 
-def _train_alike(cache, tables, states, batches, gen, ahead, plans):
-    """SparseAdam on batches of unique rows: tables[0] uncached, tables[1]
-    through the cache (each batch planned at its lookup, or ahead, during
-    the step before; plans: batches planned already), its lookups checked
-    against the uncached rows."""
+def _train_alike(cache, tables, states, batches, gen, ahead, plans, kind=_ops.ADAM, hyper=HYPER):
+    """Optimizer `kind` (SparseAdam by default) on batches of unique rows:
+    tables[0] uncached, tables[1] through the cache (each batch planned at
+    its lookup, or ahead, during the step before; plans: batches planned
+    already), its lookups checked against the uncached rows."""
     dim = tables[0].dim
     for b, unique in enumerate(batches):
         n = unique.numel()
@@ -42,9 +44,9 @@ def _train_alike(cache, tables, states, batches, gen, ahead, plans):
         if ahead and b + 1 < len(batches):
             plans[b + 1] = cache.plan_batch(batches[b + 1], batches[b + 1].numel())
         grad = torch.randn(n, dim, generator=gen)
-        _ops.sparse_update(_ops.ADAM, tables[0].tensor, states[0], unique, grad, step=b + 1, **HYPER)
+        _ops.sparse_update(kind, tables[0].tensor, states[0], unique, grad, step=b + 1, **hyper)
         cache.note_distinct(unique)
-        cache.update(_ops.ADAM, states[1], unique, grad, step=b + 1, **HYPER)
+        cache.update(kind, states[1], unique, grad, step=b + 1, **hyper)
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["planned-at-lookup", "planned-ahead"])
@@ -73,6 +75,55 @@ def test_training_through_the_twin_gives_the_uncached_bits(capacity, ahead):
     else:
         assert stats["evictions"] > 0 or capacity == 1
         assert stats["bypassed"] > 0
+
+
+# The other optimizers a GPU cache updates on its device: kind, a table's
+# state (Adagrad's accumulators start at 0.1, initial_accumulator_value),
+# hyperparameters (maximize on for one, Adagrad's lr_decay on: its step
+# counts).
+OTHERS = {
+    "SGD": (_ops.SGD, lambda t: {}, dict(lr=0.1, maximize=True)),
+    "Adagrad": (_ops.ADAGRAD, lambda t: {"sum": t.zeros().fill_(0.1)}, dict(lr=0.1, eps=1e-10, lr_decay=0.01,
+                                                                            maximize=False)),
+    "RowWiseAdagrad": (_ops.ROWWISE_ADAGRAD, lambda t: {"row_sum": t.zeros(per_row=True).fill_(0.1)},
+                       dict(lr=0.1, eps=1e-10, maximize=False)),
+}
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["planned-at-lookup", "planned-ahead"])
+@pytest.mark.parametrize("name", list(OTHERS))
+def test_sgd_and_adagrads_through_the_twin_give_the_uncached_bits(name, ahead):
+    """SGD, Adagrad and row-wise Adagrad (13 columns: eight lanes and a
+    tail of row-wise Adagrad's sum) keep their records in the cache,
+    updated there by the update the GPU runs (GpuCacheState.update's twin),
+    with evictions and bypassed rows: the table and its state train to
+    the uncached table's bits."""
+    kind, state_of, hyper = OTHERS[name]
+    rows, dim, steps, capacity = 2000, 13, 40, 96
+    gen = torch.Generator().manual_seed(dim + ahead + kind)
+    tables = [HostTable(rows, dim) for _ in range(2)]
+    init = torch.randn(rows, dim, generator=gen)
+    for t in tables:
+        t.tensor.copy_(init)
+    states = [state_of(t) for t in tables]
+    cache = tables[1].cache = GpuRowCache(tables[1], capacity, device="cpu")
+    calls = []
+    device_update = cache.ops.update
+    cache.ops.update = lambda *args, **kwargs: calls.append(args[0]) or device_update(*args, **kwargs)
+    batches = [_skewed_batch(gen, rows, 200) for _ in range(steps)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no GPU update.*")
+        _train_alike(cache, tables, states, batches, gen, ahead, {}, kind, hyper)
+    assert tables[1].cache is cache and calls == [kind] * steps  # every step by the device's update
+    for key, tensor in states[1].items():
+        assert cache.cached[key].shape == (capacity, *tensor.shape[1:])  # row_sum: one value a slot
+    stats = cache.stats
+    assert stats["evictions"] > 0 and stats["bypassed"] > 0 and stats["hits"] > 0
+    cache.flush()
+    assert not torch.equal(tables[0].tensor, init)
+    assert torch.equal(tables[1].tensor, tables[0].tensor)
+    for key in states[0]:
+        assert torch.equal(states[1][key], states[0][key]), key
 
 
 def _compact_states(tables, form):
@@ -186,17 +237,23 @@ def test_host_rows_written_through_torch_are_reread_by_the_twin():
     assert torch.equal(cache.gather(plan, unique, 3), 2 * new[unique])
 
 
-def test_another_optimizer_moves_the_cache_to_host_records():
+@pytest.mark.parametrize("kind, state_of, why", [
+    (_ops.ROWWISE_ADAM, lambda t: {"exp_avg": t.zeros(), "exp_avg_sq": t.zeros(per_row=True)},
+     "SparseAdam's row-wise second moment"),
+    (_ops.ADAGRAD, lambda t: {"sum": (t.zeros(dtype=torch.bfloat16), None, False)}, "this compact optimizer state"),
+], ids=["rowwise-adam", "bfloat16-adagrad"])
+def test_another_optimizer_moves_the_cache_to_host_records(kind, state_of, why):
     rows, dim = 300, 4
     gen = torch.Generator().manual_seed(3)
     tables, _ = _pair(rows, dim, gen)
+    states = [state_of(t) for t in tables]
     cache = tables[1].cache = GpuRowCache(tables[1], 16, device="cpu")
     unique = _skewed_batch(gen, rows, 40)
     cache.plan_batch(unique, unique.numel())
     grad = torch.randn(unique.numel(), dim, generator=gen)
-    _ops.sparse_update(_ops.SGD, tables[0].tensor, {}, unique, grad, lr=0.1, step=1, maximize=False)
-    with pytest.warns(UserWarning, match="SGD has no GPU update"):
-        _ops.sparse_update(_ops.SGD, tables[1].tensor, {}, unique, grad, lr=0.1, step=1, maximize=False)
+    _ops.sparse_update(kind, tables[0].tensor, states[0], unique, grad, step=1, **HYPER)
+    with pytest.warns(UserWarning, match=f"{why} has no GPU update"):
+        _ops.sparse_update(kind, tables[1].tensor, states[1], unique, grad, step=1, **HYPER)
     assert type(tables[1].cache).__name__ == "RowCache" and tables[1].cache.device.type == "cpu"
     tables[1].cache.flush()
     assert torch.equal(tables[1].tensor, tables[0].tensor)

@@ -54,6 +54,7 @@
 #include <string.h>
 
 #include "cache_plan.h"
+#include "he_cache_policy.h"
 #include "convert.h"
 #include "dedup.h"
 #include "gather.h"
@@ -807,10 +808,12 @@ static void fuzz_cache_plan(reader *r)
     /* Big: batches of thousands of distinct rows, for the threaded pass. */
     int64_t num_rows = g_big ? 1 + (int64_t)(u32(r) % 20000u) : rows_of(r, 1);
     int64_t capacity = 1 + (int64_t)(u8(r) % (g_big ? 255 : 16)) * (g_big ? 16 : 1);
-    int protect = 1 + (u8(r) & 1);
+    uint8_t flags = u8(r);
+    int protect = 1 + (flags & 1);
+    int policy = flags & 2 ? HE_CACHE_FREQUENCY : HE_CACHE_CLOCK;
     int batches = 1 + u8(r) % 12;
     he_cache *c = NULL;
-    REQUIRE(he_cache_new(num_rows, capacity, protect, &c) == HE_OK, "he_cache_new");
+    REQUIRE(he_cache_new(num_rows, capacity, protect, policy, &c) == HE_OK, "he_cache_new");
     int64_t *held = xmalloc((size_t)capacity * sizeof *held); /* the model: slot -> row, -1 */
     uint8_t *in_batch = calloc((size_t)num_rows, 1), *in_last = calloc((size_t)num_rows, 1);
     uint8_t *bypassed_last = calloc((size_t)num_rows, 1), *cached = calloc((size_t)num_rows, 1);

@@ -48,6 +48,7 @@
 #include "dedup.h"
 #include "gather.h"
 #include "grad_reduce.h"
+#include "he_cache_policy.h"
 #include "he_status.h"
 #include "host_memory.h"
 #include "ids.h"
@@ -2579,6 +2580,75 @@ static void test_gather_dtypes(void)
 
 /* ------------------------------------------------------------------------ */
 
+/* The frequency policy on a stream that opens its window (a long tail of
+ * rows used once, and rows that come back within three batches; checked
+ * when the test was written: the window held up to 30% of the slots),
+ * under the sanitizers: every plan keeps the cache's model (evictions of
+ * rows held and not in use, also the last batch's, planned ahead; fetches
+ * into free slots, ascending; each row where its slot says). Its decisions
+ * are checked against the simulator in tests/test_cache_plan_oracles.py. */
+static void test_cache_window(void)
+{
+    group_begin();
+    enum { ROWS = 20000, CAPACITY = 200, COUNT = 200, BATCHES = 60 };
+    he_cache *c = NULL;
+    he_cache_plan plan;
+    CHECK_ST(he_cache_new(ROWS, CAPACITY, 2, HE_CACHE_FREQUENCY, &c), HE_OK);
+    CHECK_ST(he_cache_plan_init(&plan, COUNT), HE_OK);
+    int64_t held[CAPACITY], recent[3][COUNT], unique[COUNT];
+    int64_t last_batch[COUNT], num_last = 0, num_recent[3] = {0, 0, 0}, hits = 0;
+    uint8_t *in_batch = calloc(ROWS, 1);
+    CHECK(in_batch != NULL);
+    for (int s = 0; s < CAPACITY; s++)
+        held[s] = -1;
+    g_rng = 5;
+    for (int b = 0; b < BATCHES; b++) {
+        int64_t ids[COUNT], n = 0;
+        for (int i = 0; i < COUNT; i++) {
+            int64_t from = b > 0 ? (int64_t)rng_uniform(0.0, 3.0) : 0;
+            ids[i] = i % 2 && num_recent[from] ? recent[from][(int64_t)rng_uniform(0.0, (double)num_recent[from])]
+                                               : (int64_t)rng_uniform(0.0, (double)ROWS);
+            if (ids[i] >= ROWS)
+                ids[i] = ROWS - 1;
+        }
+        for (int i = 0; i < COUNT; i++)
+            in_batch[ids[i]] = 1;
+        for (int64_t r = 0; r < ROWS; r++) /* ascending, as a Dedup gives them */
+            if (in_batch[r])
+                unique[n++] = r;
+        CHECK_ST(he_cache_plan_batch(c, unique, n, &plan), HE_OK);
+        for (int64_t e = 0; e < plan.num_evict; e++) {
+            int32_t s = plan.evict_slot[e];
+            CHECK(held[s] == plan.evict_row[e] && !in_batch[plan.evict_row[e]]);
+            for (int64_t k = 0; k < num_last; k++)
+                CHECK(last_batch[k] != plan.evict_row[e]); /* planned ahead: the last batch's stay */
+            held[s] = -1;
+        }
+        for (int64_t f = 0; f < plan.num_fetch; f++) {
+            CHECK(held[plan.fetch_slot[f]] == -1 && (f == 0 || plan.fetch_row[f] > plan.fetch_row[f - 1]));
+            held[plan.fetch_slot[f]] = plan.fetch_row[f];
+        }
+        for (int64_t k = 0; k < n; k++) {
+            CHECK(plan.slot[k] < 0 || held[plan.slot[k]] == unique[k]);
+            CHECK(he_cache_slot_of(c, unique[k]) == plan.slot[k]);
+            hits += plan.slot[k] >= 0;
+        }
+        for (int64_t r = 0; r < n; r++)
+            in_batch[unique[r]] = 0;
+        memcpy(recent[b % 3], unique, (size_t)n * sizeof *unique);
+        num_recent[b % 3] = n;
+        memcpy(last_batch, unique, (size_t)n * sizeof *unique);
+        num_last = n;
+    }
+    he_cache_stats st = he_cache_get_stats(c);
+    CHECK(st.hits + st.fetches + st.bypassed == st.rows && st.batches == BATCHES && st.hits > 0);
+    CHECK(hits == st.hits + st.fetches);
+    free(in_batch);
+    he_cache_free(c);
+    he_cache_plan_free(&plan);
+    group_end("cache_window");
+}
+
 /* The cache planner's decisions on small cases: free slots first, hits
  * protected, CLOCK's second chance, admission by recent use (a row used
  * once does not evict one used as often, a row used more does), look-ahead
@@ -2590,7 +2660,7 @@ static void test_cache_plan(void)
     he_cache *c = NULL;
     he_cache_plan plan;
     CHECK_ST(he_cache_plan_init(&plan, 8), HE_OK);
-    CHECK_ST(he_cache_new(10, 4, 1, &c), HE_OK);
+    CHECK_ST(he_cache_new(10, 4, 1, HE_CACHE_CLOCK, &c), HE_OK);
     int64_t a[] = {1, 2, 3};
     CHECK_ST(he_cache_plan_batch(c, a, 3, &plan), HE_OK);
     CHECK(plan.num_fetch == 3 && plan.num_evict == 0);
@@ -2620,12 +2690,12 @@ static void test_cache_plan(void)
     he_cache_stats after = he_cache_get_stats(c);
     CHECK(memcmp(&st, &after, sizeof st) == 0 && he_cache_slot_of(c, 5) == 0 && he_cache_slot_of(c, 3) == 2);
     he_cache_free(c);
-    CHECK_ST(he_cache_new(10, 0, 1, &c), HE_ERR_VALUE);
+    CHECK_ST(he_cache_new(10, 0, 1, HE_CACHE_CLOCK, &c), HE_ERR_VALUE);
     CHECK(c == NULL);
-    CHECK_ST(he_cache_new(10, 4, 3, &c), HE_ERR_VALUE);
+    CHECK_ST(he_cache_new(10, 4, 3, HE_CACHE_CLOCK, &c), HE_ERR_VALUE);
 
     /* Planned a step ahead (protect 2): the last batch's slots are in use. */
-    CHECK_ST(he_cache_new(10, 4, 2, &c), HE_OK);
+    CHECK_ST(he_cache_new(10, 4, 2, HE_CACHE_CLOCK, &c), HE_OK);
     int64_t first[] = {1, 2, 3, 4}, second[] = {5}, third[] = {5, 6};
     CHECK_ST(he_cache_plan_batch(c, first, 4, &plan), HE_OK);
     CHECK_ST(he_cache_plan_batch(c, second, 1, &plan), HE_OK);
@@ -2641,7 +2711,7 @@ static void test_cache_plan(void)
 
     /* A row used often keeps its slot through rows used once; a row used
      * again and again gets one, from a row used less. */
-    CHECK_ST(he_cache_new(10, 2, 1, &c), HE_OK);
+    CHECK_ST(he_cache_new(10, 2, 1, HE_CACHE_CLOCK, &c), HE_OK);
     int64_t zero[] = {0}, one[] = {1};
     for (int i = 0; i < 3; i++)
         CHECK_ST(he_cache_plan_batch(c, zero, 1, &plan), HE_OK);
@@ -2664,7 +2734,7 @@ static void test_cache_plan(void)
      * slot it met for that round, and the misses left after the second
      * round bypass the cache unseen. Then, in a batch of its own, the row
      * used more than the residents gets a slot. */
-    CHECK_ST(he_cache_new(100, 2, 1, &c), HE_OK);
+    CHECK_ST(he_cache_new(100, 2, 1, HE_CACHE_CLOCK, &c), HE_OK);
     int64_t residents[] = {0, 1}, fifty[] = {50}, crowd[] = {2, 3, 4, 5, 50};
     for (int i = 0; i < 2; i++)
         CHECK_ST(he_cache_plan_batch(c, residents, 2, &plan), HE_OK);
@@ -2677,6 +2747,39 @@ static void test_cache_plan(void)
     CHECK(plan.num_fetch == 1 && plan.slot[0] >= 0 && plan.num_evict == 1 && plan.evict_row[0] == plan.slot[0]);
     CHECK(he_cache_slot_of(c, 50) == plan.slot[0] && he_cache_slot_of(c, plan.evict_row[0]) == -1);
     he_cache_free(c);
+
+    /* The frequency policy: a row used once does not take the slot of one
+     * used as often, used again it takes the least recently used one's;
+     * a row used twice is kept until a miss was used more than one time
+     * more; refusals as the clock's. */
+    CHECK_ST(he_cache_new(10, 2, 1, HE_CACHE_FREQUENCY, &c), HE_OK);
+    int64_t pair[] = {0, 1}, two[] = {2};
+    CHECK_ST(he_cache_plan_batch(c, pair, 2, &plan), HE_OK);
+    CHECK(plan.num_fetch == 2 && plan.slot[0] == 0 && plan.slot[1] == 1);
+    CHECK_ST(he_cache_plan_batch(c, zero, 1, &plan), HE_OK);
+    CHECK(plan.slot[0] == 0 && plan.num_fetch == 0);
+    CHECK_ST(he_cache_plan_batch(c, two, 1, &plan), HE_OK);
+    CHECK(plan.slot[0] == -1 && plan.num_fetch == 0 && plan.num_evict == 0);
+    CHECK_ST(he_cache_plan_batch(c, two, 1, &plan), HE_OK);
+    CHECK(plan.num_evict == 1 && plan.evict_row[0] == 1 && plan.evict_slot[0] == 1);
+    CHECK(plan.num_fetch == 1 && plan.fetch_row[0] == 2 && plan.fetch_slot[0] == 1 && plan.fetch_after_update[0]);
+    CHECK(he_cache_slot_of(c, 0) == 0 && he_cache_slot_of(c, 2) == 1 && he_cache_slot_of(c, 1) == -1);
+    CHECK_ST(he_cache_plan_batch(c, bad_range, 2, &plan), HE_ERR_INDEX);
+    st = he_cache_get_stats(c);
+    CHECK(st.batches == 4 && st.rows == 5 && st.hits == 1 && st.fetches == 3 && st.evictions == 1 && st.bypassed == 1);
+    he_cache_free(c);
+    CHECK_ST(he_cache_new(10, 1, 1, HE_CACHE_FREQUENCY, &c), HE_OK);
+    for (int i = 0; i < 2; i++)
+        CHECK_ST(he_cache_plan_batch(c, zero, 1, &plan), HE_OK);
+    for (int i = 0; i < 4; i++) {
+        CHECK_ST(he_cache_plan_batch(c, one, 1, &plan), HE_OK);
+        CHECK(plan.slot[0] == -1 && he_cache_slot_of(c, 0) == 0);
+    }
+    CHECK_ST(he_cache_plan_batch(c, one, 1, &plan), HE_OK); /* 4 uses before against 2 */
+    CHECK(plan.slot[0] == 0 && plan.num_evict == 1 && plan.evict_row[0] == 0);
+    he_cache_free(c);
+    CHECK_ST(he_cache_new(10, 1, 1, 2, &c), HE_ERR_VALUE);
+    CHECK_MSG("policy");
     he_cache_plan_free(&plan);
     group_end("cache_plan");
 }
@@ -2756,7 +2859,9 @@ static void test_cache_trains_bit_identically(void)
                     at += widths[i];
                 }
                 he_cache *cache = NULL;
-                CHECK_ST(he_cache_new(rows, capacity, protect, &cache), HE_OK);
+                /* Each policy planned at the lookup and a step ahead. */
+                int policy = (protect + (int)di) % 2 ? HE_CACHE_FREQUENCY : HE_CACHE_CLOCK;
+                CHECK_ST(he_cache_new(rows, capacity, protect, policy, &cache), HE_OK);
                 he_cache_plan plan[2];
                 CHECK_ST(he_cache_plan_init(&plan[0], count), HE_OK);
                 CHECK_ST(he_cache_plan_init(&plan[1], count), HE_OK);
@@ -3515,6 +3620,7 @@ int main(void)
     test_gather_dtypes();
     test_sparse_update_dtypes();
     test_cache_plan();
+    test_cache_window();
     test_cache_trains_bit_identically();
     test_row_file();
     test_row_file_direct();

@@ -40,6 +40,9 @@ static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }
 static inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+/* One rounding, as the GPU's FFMA: glibc's fmaf is correctly rounded
+ * (with or without the FMA instructions), as the core's own fmaf calls. */
+static inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 
 static inline unsigned __float_as_uint(float f)
 {
@@ -86,6 +89,31 @@ static inline unsigned __reduce_max_sync(unsigned mask, unsigned value)
     /* No lane writes its next reduction's value before every lane read this one's. */
     w.meet.arrive_and_wait();
     return most;
+}
+
+/* Lane (l ^ lane_mask)'s value within l's segment of `width` lanes (a
+ * source outside it gives l its own value back, as the GPU does). Every
+ * lane must call it, as for __reduce_max_sync. */
+static inline float __shfl_xor_sync(unsigned mask, float value, int lane_mask, int width = 32)
+{
+    if (mask != 0xFFFFFFFFu || width < 1 || width > 32 || (width & (width - 1)))
+        std::abort();
+    he_shim_warp &w = *he_shim_my_warp;
+    unsigned lane = threadIdx.x % 32, from = lane ^ (unsigned)lane_mask;
+    w.value[lane] = __float_as_uint(value);
+    w.meet.arrive_and_wait();
+    unsigned got = from / (unsigned)width == lane / (unsigned)width ? w.value[from % 32] : w.value[lane];
+    w.meet.arrive_and_wait();
+    return __uint_as_float(got);
+}
+
+/* The warp's lanes meet; the barrier orders their memory accesses too, as
+ * __syncwarp does. Every lane must call it. */
+static inline void __syncwarp(unsigned mask = 0xFFFFFFFFu)
+{
+    if (mask != 0xFFFFFFFFu)
+        std::abort();
+    he_shim_my_warp->meet.arrive_and_wait();
 }
 
 /* kernel<<<grid, block>>>(), with `launch` calling it: a thread a lane,

@@ -5,11 +5,13 @@ planner's host twin, which runs the same executor on the CPU (the tests).
 A batch: plan_batch(unique, n) plans it and moves records (evictions
 written back, fetches read, over the pinned mapping), gather(plan, unique,
 n) reads its rows for the forward (from their slots, or host memory where
-they bypass the cache), update(...) is SparseAdam's step of rows wherever
-they are at that moment (a compact state's codes and scales are records
-too, moved as float32 words). Nothing of it reads a device value on the host:
-the lookup's dedup, which sizes the batch, is the one wait of a step
-(done by prefetch() when the next batch is known, else by the lookup).
+they bypass the cache), update(...) is the optimizer's step (SparseAdam,
+SGD, Adagrad or row-wise Adagrad) of rows wherever they are at that moment
+(a compact state's codes and scales are records too, moved as float32
+words; a per-row state's records are one word wide). Nothing of it reads
+a device value on the host: the lookup's dedup, which sizes the batch, is
+the one wait of a step (done by prefetch() when the next batch is known,
+else by the lookup).
 
 Why the update asks the map, not the plan: a batch planned a step ahead
 runs its plan (and its fetches) before the current step's update. A row
@@ -34,6 +36,11 @@ _SCALE_KEYS = (_scale_key("exp_avg"), _scale_key("exp_avg_sq"))
 # Compact moments the GPU update takes, as (exp_avg's dtype, exp_avg_sq's):
 # csrc/quantize.h's 8-bit forms (scales a block) and bfloat16.
 _DEVICE_FORMS = {(torch.bfloat16, torch.bfloat16): 2, (torch.int8, torch.uint8): 4}
+# The other optimizers the GPU updates (cuda/he_cuda_optim_cached.cuh), with
+# their float32 state's keys in the kernel's order: SGD none, Adagrad a
+# value an element, row-wise Adagrad a value a row ([num_rows] on the host,
+# [capacity] in the records).
+_DEVICE_STATE = {update_ops.SGD: (), update_ops.ADAGRAD: ("sum",), update_ops.ROWWISE_ADAGRAD: ("row_sum",)}
 
 
 def _words(records):
@@ -68,15 +75,24 @@ def _compact_forms(state, dim):
     return forms
 
 
+def _float32_state(kind, state):
+    """Whether optimizer `kind` with `state` is one a cache updates on its
+    device besides SparseAdam: SGD, Adagrad or row-wise Adagrad with its
+    state as plain float32 tensors (a compact one moves to host records)."""
+    keys = _DEVICE_STATE.get(kind)
+    return keys is not None and set(state) == set(keys) and \
+        all(isinstance(t, Tensor) and t.dtype == torch.float32 for t in state.values())
+
+
 class HostTwinState:
     """GpuCacheState's interface on the CPU: the CPU planner (the GPU
     planner's host twin: the same decisions) and the same moves, gathers
     and updates with torch indexing and the core, on host-memory records.
     It lets the tests run GpuRowCache's executor without a GPU."""
 
-    def __init__(self, table, capacity: int, protect: int):
+    def __init__(self, table, capacity: int, protect: int, policy: str = "frequency"):
         self.table, self.capacity = table, capacity
-        self.planner = CachePlanner(table.num_rows, capacity, lookahead=protect == 2)
+        self.planner = CachePlanner(table.num_rows, capacity, lookahead=protect == 2, policy=policy)
         self.row_of = torch.full((capacity,), -1, dtype=torch.int64)
         self.record_table = None  # set by the cache: the HostTable of its records
 
@@ -113,16 +129,24 @@ class HostTwinState:
         arrays)."""
         self._adam(_compact_state, records, hosts, indices, values, **hyper)
 
+    def update(self, kind, records, hosts, indices, values, **hyper):
+        """GpuCacheState.update's: SGD, Adagrad or row-wise Adagrad
+        (records, hosts: the weight, then its state)."""
+        keys = _DEVICE_STATE[kind]
+        self._update(kind, lambda arrays: dict(zip(keys, arrays[1:])), records, hosts, indices, values, **hyper)
+
     def _adam(self, state_of, records, hosts, indices, values, **hyper):
+        self._update(update_ops.ADAM, state_of, records, hosts, indices, values, **hyper)
+
+    def _update(self, kind, state_of, records, hosts, indices, values, **hyper):
         """The core's update of each row where it is now: its slot's
         records, or its host row; state_of(arrays) is update_ops' state
-        over weight, moments (and scales)."""
+        over the weight and the state's arrays (a compact state's scales
+        among them)."""
         slots = self.planner.slots_of(indices).long()
         cached = slots >= 0
-        update_ops.update_rows(update_ops.ADAM, self.record_table, state_of(records), slots[cached], values[cached],
-                               **hyper)
-        update_ops.update_rows(update_ops.ADAM, self.table, state_of(hosts), indices[~cached], values[~cached],
-                               **hyper)
+        update_ops.update_rows(kind, self.record_table, state_of(records), slots[cached], values[cached], **hyper)
+        update_ops.update_rows(kind, self.table, state_of(hosts), indices[~cached], values[~cached], **hyper)
 
     def sync_records(self, records, hosts, dim, *, to_host):
         slots = (self.row_of >= 0).nonzero().view(-1)
@@ -148,25 +172,28 @@ class HostTwinState:
 
 class GpuRowCache(RowCache):
     """A float32 table's row cache on `device` (a GPU; "cpu": the host
-    twin, for tests), for SparseAdam with float32 state or compact moments
-    (bfloat16, or 8-bit with a scale a block) rounded to nearest:
-    RowCache's coherence with host memory (dirty, stale, flush,
-    attach_state) over a planner and records that stay on the device.
-    Another optimizer's first update, or another state (a row-wise second
-    moment, stochastic rounding), moves the cache to host memory (a
-    RowCache of host records), with a warning."""
+    twin, for tests): RowCache's coherence with host memory (dirty, stale,
+    flush, attach_state) over a planner and records that stay on the
+    device, updated there with the CPU core's bits by SparseAdam (float32
+    state, or compact moments: bfloat16, or 8-bit with a scale a block,
+    rounded to nearest), SGD, Adagrad and row-wise Adagrad (FBGEMM's
+    default, exact row-wise Adagrad; float32 state). Another optimizer's
+    first update (SparseAdam with a row-wise second moment), or another
+    state (Adagrad's compact sum, stochastic rounding), moves the cache to
+    host memory (a RowCache of host records), with a warning."""
 
-    def __init__(self, table, capacity: int, *, device):
+    def __init__(self, table, capacity: int, *, device, policy: str = "frequency"):
         self.table = table
         self.lookahead = True
+        self.policy = policy
         self.device = torch.device(device)
         if table.dtype != torch.float32:
             raise ValueError(f"hostembed: a row cache in GPU memory takes float32 tables (its kernels do), not "
                              f"{table.dtype}")
         self._capacity = capacity
         self.records = None
-        self.ops = GpuCacheState(table.num_rows, capacity, 2, self.device) if self.device.type == "cuda" \
-            else HostTwinState(table, capacity, 2)
+        self.ops = GpuCacheState(table.num_rows, capacity, 2, self.device, policy) if self.device.type == "cuda" \
+            else HostTwinState(table, capacity, 2, policy)
         self.host = {"weight": table.tensor}
         self.store = HostRows(self.host)  # records move through host memory's mapping, a table on disk's too
         self.cached = {"weight": self._new_records(weight=True)}
@@ -306,16 +333,23 @@ class GpuRowCache(RowCache):
 
     @_ordered
     def update(self, kind: int, state: dict, indices: Tensor, values: Tensor, **hyper) -> None:
-        """RowCache.update: SparseAdam's on the device, each row in its slot if
-        cached now, else in host memory, with float32 state or compact
+        """RowCache.update on the device, each row in its slot if cached now,
+        else in host memory: SparseAdam's with float32 state or compact
         moments (bfloat16, or 8-bit with their scales) rounded to nearest;
-        another optimizer or state moves the cache to host memory first. An
-        index outside the table raises IndexError before anything is
-        written."""
+        SGD's, Adagrad's and row-wise Adagrad's with float32 state. Another
+        optimizer or state moves the cache to host memory first. An index
+        outside the table raises IndexError before anything is written."""
         compact = not all(isinstance(item, Tensor) for item in state.values())
-        forms = _compact_forms(state, self.table.dim) if compact else None
-        if kind != update_ops.ADAM or (compact and forms is None):
-            why = "this compact optimizer state" if compact else update_ops.optimizer_name(kind)
+        adam = kind == update_ops.ADAM
+        forms = _compact_forms(state, self.table.dim) if compact and adam else None
+        on_device = (forms is not None or not compact) if adam else _float32_state(kind, state)
+        if not on_device:
+            if compact:
+                why = "this compact optimizer state"
+            elif kind == update_ops.ROWWISE_ADAM:
+                why = "SparseAdam's row-wise second moment"
+            else:
+                why = update_ops.optimizer_name(kind)
             self._to_host_cache(why).update(kind, state, indices, values, **hyper)
             return
         self.last_update_from = values.device
@@ -327,11 +361,16 @@ class GpuRowCache(RowCache):
         for key, tensor in tensors.items():
             if self.host.get(key) is not tensor:
                 self.attach_state(key, tensor)
-        keys = ("weight", "exp_avg", "exp_avg_sq") + tuple(k for k in _SCALE_KEYS if k in tensors)
+        if adam:
+            keys = ("weight", "exp_avg", "exp_avg_sq") + tuple(k for k in _SCALE_KEYS if k in tensors)
+        else:
+            keys = ("weight", *_DEVICE_STATE[kind])
         records, hosts = self._arrays(keys)
         values = values.to(torch.float32).contiguous()
         self._host_memory_next()
-        if compact:
+        if not adam:
+            self.ops.update(kind, records, hosts, indices, values, **hyper)
+        elif compact:
             self.ops.adam_compact(records, hosts, forms, indices, values, **hyper)
         else:
             self.ops.adam(records, hosts, indices, values, **hyper)
@@ -357,11 +396,12 @@ class GpuRowCache(RowCache):
         rows written back first, for an optimizer without a GPU update."""
         warnings.warn(f"hostembed: {why} has no GPU update of a row cache's records; they move to host memory, "
                       "where a step through the cache is slower than one without it (build the module without "
-                      "cache_rows for this optimizer; SparseAdam updates them on the GPU with float32 state, or "
-                      "bfloat16 or 8-bit moments rounded to nearest whose rows fill whole float32 words)",
+                      "cache_rows for this optimizer; on the GPU, SGD, Adagrad and RowWiseAdagrad update them "
+                      "with float32 state, SparseAdam with float32 state or bfloat16 or 8-bit moments rounded to "
+                      "nearest whose rows fill whole float32 words)",
                       stacklevel=5)
         self.flush()
-        cache = RowCache(self.table, self.capacity, lookahead=True)
+        cache = RowCache(self.table, self.capacity, lookahead=True, policy=self.policy)
         self.table.cache, self.table.planned = cache, None
         return cache
 

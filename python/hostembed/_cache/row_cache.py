@@ -68,11 +68,12 @@ class RowCache:
     from it at the next plan, update or flush. Both at once cannot be
     resolved (CacheConflict)."""
 
-    def __init__(self, table, capacity: int, *, lookahead: bool = False):
+    def __init__(self, table, capacity: int, *, lookahead: bool = False, policy: str = "frequency"):
         self.table = table
         self.lookahead = lookahead
+        self.policy = policy
         self.device = torch.device("cpu")
-        self.planner = CachePlanner(table.num_rows, capacity, lookahead=lookahead)
+        self.planner = CachePlanner(table.num_rows, capacity, lookahead=lookahead, policy=policy)
         # The records' HostTable when they are in host memory (the core
         # updates them as a table of `capacity` rows), else None.
         self.records = None

@@ -99,9 +99,10 @@ class Embedding(HostTableModule, nn.Embedding):
             hits, misses and bytes moved. The cache's lookups run eagerly (a
             graph break under torch.compile); max_norm and stochastic
             rounding are refused with it. With GPU outputs and a float32
-            table the records are in GPU memory and SparseAdam updates them
-            there; otherwise (or after the first step of another optimizer)
-            they are in host memory, which saves nothing. An int in
+            table the records are in GPU memory and SparseAdam, SGD,
+            Adagrad and RowWiseAdagrad update them there; otherwise (or
+            after the first step of another optimizer) they are in host
+            memory, which saves nothing. An int in
             ``[1, 2**28 - 1)`` (TypeError for a non-int, ValueError out of
             range); with ``storage``, the rows of its row cache.
             Default: None (no cache)

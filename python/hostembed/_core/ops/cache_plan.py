@@ -12,6 +12,11 @@ from .. import _C
 
 # The planner's limit (csrc/cache_plan.h: 28-bit slot numbers).
 MAX_CACHE_ROWS = 2**28 - 1
+# include/he_cache_policy.h's policies, by name: "frequency" (the default)
+# counts every row's uses over the whole stream; "clock" is the policy
+# before it (4-bit counts halved every 10 batches), kept for the GPU
+# planner's recorded plans (tests/fixtures/gpu_cache_plans.pt).
+POLICIES = {"frequency": _C.CACHE_FREQUENCY, "clock": _C.CACHE_CLOCK}
 
 
 class CachePlan(NamedTuple):
@@ -33,10 +38,14 @@ class CachePlanner:
     """Plans batches for a cache of `capacity` slots over a table of
     num_rows rows. lookahead=True: each batch is planned while the previous
     step may still run, so the previous batch's slots stay too (protect 2
-    in the core's terms). The policy: csrc/cache_plan.h."""
+    in the core's terms). policy: a name of POLICIES."""
 
-    def __init__(self, num_rows: int, capacity: int, *, lookahead: bool = False):
-        self._planner = _C.CachePlanner(num_rows=num_rows, capacity=capacity, protect=2 if lookahead else 1)
+    def __init__(self, num_rows: int, capacity: int, *, lookahead: bool = False, policy: str = "frequency"):
+        if policy not in POLICIES:
+            raise ValueError(f"hostembed: a cache policy is one of {sorted(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self._planner = _C.CachePlanner(num_rows=num_rows, capacity=capacity, protect=2 if lookahead else 1,
+                                        policy=POLICIES[policy])
 
     @property
     def capacity(self) -> int:

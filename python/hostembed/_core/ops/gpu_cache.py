@@ -1,8 +1,10 @@
-"""A row cache's planner and records in GPU memory (cuda/cache.cu), over
-torch tensors: the planner's state (GpuCacheState), a batch's plan, the
-moves of records over the pinned mapping, the lookup's gather, SparseAdam
-where each row is now. Everything is queued on torch's current stream of
-the cache's device; nothing here waits for the GPU, except counts()."""
+"""A row cache's planner and records in GPU memory (cuda/cache_plan.cu,
+cuda/cache.cu), over torch tensors: the planner's state (GpuCacheState),
+a batch's plan, the moves of records over the pinned mapping, the
+lookup's gather, the updates of SparseAdam, SGD, Adagrad and row-wise
+Adagrad where each row is now. Everything is queued on torch's current
+stream of the cache's device; nothing here waits for the GPU, except
+counts()."""
 from typing import NamedTuple
 
 import torch
@@ -10,10 +12,14 @@ from torch import Tensor
 
 from .. import _C
 from ..table import STATE_CODES
+from .cache_plan import POLICIES
 from .common import address
 
-# cuda/he_cuda.h's he_cuda_cache counters, in order.
-_COUNTERS = ("hand", "base", "misses", "stop", "batches", "rows", "hits", "fetches", "evictions")
+# cuda/he_cuda.h's he_cuda_cache counters, in order (recent: the gate's
+# span of include/he_cache_policy.h, 3).
+_COUNTERS = ("hand", "base", "misses", "stop", "batches", "rows", "hits", "fetches", "evictions", "window",
+             "window_hand", "eligible", "back", "turned", "least", "reuse", "main", "recent0", "recent1", "recent2",
+             "taken")
 
 
 class CachePlanOnDevice(NamedTuple):
@@ -34,9 +40,10 @@ def _stream(device):
 class GpuCacheState:
     """The planner of a cache of `capacity` slots over num_rows rows, in GPU
     memory: the arrays of csrc/cache_plan.c (its host twin) and counters.
-    protect: as the CPU planner's (2: batches are planned a step ahead)."""
+    protect: as the CPU planner's (2: batches are planned a step ahead);
+    policy: a name of cache_plan.POLICIES."""
 
-    def __init__(self, num_rows: int, capacity: int, protect: int, device):
+    def __init__(self, num_rows: int, capacity: int, protect: int, device, policy: str = "frequency"):
         self.device = torch.device(device)
         if self.device.index is None:  # "cuda": the current one, as torch takes it
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -50,10 +57,24 @@ class GpuCacheState:
         self.referenced = torch.zeros(capacity, dtype=torch.uint8, **on)
         self.counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, **on)
         self.batch = 0  # batches planned; the host counts them, so it knows when the counts age
+        if policy not in POLICIES:
+            raise ValueError(f"hostembed: a cache policy is one of {sorted(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        # The frequency policy's per row uses, last use and last turning
+        # away, and per slot uses (uint16 and uint32 bits in int16, int32).
+        frequency = policy == "frequency"
+        rows, slots = (max(num_rows, 1), capacity) if frequency else (0, 0)
+        self.count = torch.zeros(rows, dtype=torch.int16, **on)
+        self.last = torch.zeros(rows, dtype=torch.int32, **on)
+        self.turned_at = torch.zeros(rows, dtype=torch.int32, **on)
+        self.slot_count = torch.zeros(slots, dtype=torch.int16, **on)
 
     def _cache(self):
+        extra = (address(self.count), address(self.last), address(self.turned_at), address(self.slot_count)) \
+            if self.policy == "frequency" else (0, 0, 0, 0)
         return (address(self.entry), self.num_rows, address(self.row_of), address(self.used_at),
-                address(self.referenced), self.capacity, address(self.counters), self.protect)
+                address(self.referenced), self.capacity, address(self.counters), self.protect,
+                POLICIES[self.policy], *extra)
 
     def plan(self, unique: Tensor, n: int) -> CachePlanOnDevice:
         """Plans the next batch, unique[:n] (a GPU dedup's: ascending,
@@ -62,7 +83,8 @@ class GpuCacheState:
         size = max(n, 1)
         plan = CachePlanOnDevice(torch.empty(size, dtype=torch.int32, **on), torch.empty(size, dtype=torch.int64, **on),
                                  torch.empty(size, dtype=torch.int64, **on))
-        ws_bytes = _C.cuda_cache_plan_workspace(n=n, capacity=self.capacity, device=self.device.index)
+        ws_bytes = _C.cuda_cache_plan_workspace(n=n, capacity=self.capacity, policy=POLICIES[self.policy],
+                                                device=self.device.index)
         workspace = torch.empty(ws_bytes, dtype=torch.uint8, **on)
         _C.cuda_cache_plan(cache=self._cache(), unique=address(unique), n=n, batch=self.batch + 1,
                            slot=address(plan.slot), miss=address(plan.miss), evict_row=address(plan.evict_row),
@@ -110,6 +132,21 @@ class GpuCacheState:
                                    nnz=indices.numel(), lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step,
                                    maximize=maximize, weight_decay=weight_decay, device=self.device.index,
                                    stream=_stream(self.device))
+
+    def update(self, kind: int, records, hosts, indices: Tensor, values: Tensor, *, lr, step, maximize, eps=0.0,
+               lr_decay=0.0, weight_decay=0.0, beta1=0.0, beta2=0.0) -> None:
+        """SGD's, Adagrad's or row-wise Adagrad's update (kind: update_ops'
+        SGD, ADAGRAD, ROWWISE_ADAGRAD) of distinct rows `indices` (int64, on
+        the device) with gradient rows `values`, each where the cache says it
+        is now, with the CPU core's bits. records, hosts: the weight, then
+        the state (none; sum; row_sum, one value a row). beta1, beta2: not
+        these optimizers'; weight_decay: none of these takes it (as in the
+        core)."""
+        dim = values.shape[1] if values.dim() == 2 else 0
+        _C.cuda_cache_update(cache=self._cache(), records=tuple(address(r) for r in records), host=tuple(hosts),
+                             dim=dim, kind=kind, indices=address(indices), values=address(values),
+                             nnz=indices.numel(), lr=lr, eps=eps, lr_decay=lr_decay, step=step, maximize=maximize,
+                             weight_decay=weight_decay, device=self.device.index, stream=_stream(self.device))
 
     def sync_records(self, records, hosts, dim: int, *, to_host: bool) -> None:
         """Every occupied slot's records written to (or read from) its host rows."""
