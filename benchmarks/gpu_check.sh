@@ -29,7 +29,7 @@
 # left of the budget), SANITIZER (compute-sanitizer's path; default: PATH,
 # then the toolkit's bin), SKIP (stage names not to run, space-separated:
 # a short lease runs the most important ones first), GPU_ARGS (more
-# arguments for benchmarks/gpu.py, e.g. "--skip gather"), CACHE_FRACTION
+# arguments for benchmarks/gpu/gpu.py, e.g. "--skip gather"), CACHE_FRACTION
 # (compare.py's GPU row cache, a fraction of each table's rows; default 1).
 # Exit status: 0 only when every stage ran and passed.
 set -uo pipefail
@@ -196,35 +196,35 @@ fi
 if (( BUILT )); then
     run import 60 "$PY" -c "import hostembed as h; print(h.__file__, 'cuda_compiled', h.cuda_compiled(), 'cuda_available', h.cuda_available()); assert h.cuda_available()"
     # The most telling stages first: a short lease may end before the rest.
-    # The row cache on the anchors' protocols (benchmarks/_anchor_streams.py):
+    # The row cache on the anchors' protocols (benchmarks/cache/_anchor_streams.py):
     # dynamicemb's, beside its published figures, then fresh batches, a
     # process each (their tables, 28 and 86 GiB pinned with their state,
     # never at once); the rows go to cache_protocols.json, which later stages
     # add to. -u: a stage cut short by its limit keeps the tables it printed.
-    run protocols 180 "$PY" -u benchmarks/cache_step.py --protocols dynamicemb --json "$OUT/cache_protocols.json"
-    run protocols_fresh 150 "$PY" -u benchmarks/cache_step.py --protocols fresh --append \
+    run protocols 180 "$PY" -u benchmarks/gpu/cache_step.py --protocols dynamicemb --json "$OUT/cache_protocols.json"
+    run protocols_fresh 150 "$PY" -u benchmarks/gpu/cache_step.py --protocols fresh --append \
         --json "$OUT/cache_protocols.json"
     # Compact state (bfloat16 and 8-bit moments, their records updated in
     # GPU memory), with and without a cache, on the same fresh batches.
-    run protocols_compact 150 "$PY" -u benchmarks/cache_step.py --protocols fresh --fractions 1,0.2 \
+    run protocols_compact 150 "$PY" -u benchmarks/gpu/cache_step.py --protocols fresh --fractions 1,0.2 \
         --states bfloat16,int8 --append --json "$OUT/cache_protocols.json"
     # The row cache in GPU memory: its tests, its planner against the CPU's
     # (recorded for CI's replay, tests/fixtures/gpu_cache_plans.pt), FBGEMM's
     # protocol (its row-wise Adagrad and Adam), replayed batches; later the
     # seeds' model with and without a cache (compare).
     run cache_gpu_tests 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_cache_gpu.py
-    run plan_record 60 "$PY" benchmarks/cache_plan_record.py "$OUT/gpu_cache_plans.pt"
+    run plan_record 60 "$PY" benchmarks/cache/cache_plan_record.py "$OUT/gpu_cache_plans.pt"
     # FBGEMM's protocol with Adam (records in GPU memory) and its own
     # row-wise Adagrad (which moves them to host memory: the table says so).
-    run protocols_fbgemm 150 "$PY" -u benchmarks/cache_step.py --protocols fbgemm --optimizers adam,rowwise_adagrad \
-        --append --json "$OUT/cache_protocols.json"
-    run protocols_replayed 120 "$PY" -u benchmarks/cache_step.py --protocols replayed --append \
+    run protocols_fbgemm 150 "$PY" -u benchmarks/gpu/cache_step.py --protocols fbgemm \
+        --optimizers adam,rowwise_adagrad --append --json "$OUT/cache_protocols.json"
+    run protocols_replayed 120 "$PY" -u benchmarks/gpu/cache_step.py --protocols replayed --append \
         --json "$OUT/cache_protocols.json"
     run gpu_tests 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --durations 15
     # A language model's token table in host memory against the model all
     # on the GPU (step time, GPU memory held and peak), torch's AdamW kept
     # and hostembed.SparseAdam for the table, beside torch's SparseAdam.
-    run lm_gpu 150 "$PY" -u benchmarks/lm_step.py --device cuda --vocabs 128256,256000 --hidden 1024 \
+    run lm_gpu 150 "$PY" -u benchmarks/clients/lm_step.py --device cuda --vocabs 128256,256000 --hidden 1024 \
         --tokens 2048 --rounds 6 --json "$OUT/lm_step.json"
     SANITIZER=${SANITIZER:-$(command -v compute-sanitizer)}
     for dir in "${CUDA_HOME:-/usr/local/cuda}/bin" /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
@@ -232,21 +232,21 @@ if (( BUILT )); then
     done
     if [[ -n $SANITIZER ]]; then
         run sanitizer 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool memcheck --error-exitcode 1 \
-            --leak-check no "$PY" benchmarks/gpu_sanitize.py
-        run racecheck 150 "$SANITIZER" --tool racecheck --error-exitcode 1 "$PY" benchmarks/gpu_sanitize.py
+            --leak-check no "$PY" benchmarks/gpu/gpu_sanitize.py
+        run racecheck 150 "$SANITIZER" --tool racecheck --error-exitcode 1 "$PY" benchmarks/gpu/gpu_sanitize.py
     else
         STAGES+=("sanitizer|NOT RUN: compute-sanitizer not found (set SANITIZER=path)|0")
         FAILED=1
     fi
-    run profile 150 "$PY" benchmarks/gpu_profile.py --prefetch --setups "fused,cache 1.0,cache 0.2"
+    run profile 150 "$PY" benchmarks/gpu/gpu_profile.py --prefetch --setups "fused,cache 1.0,cache 0.2"
     # Where FBGEMM's row-wise Adagrad spends its step with GPU outputs (70.8
     # ms uncached on the H100, 2026-11-28; Adam 9.1): no GPU update, its
     # sums copied to the host.
-    run profile_rowwise 90 "$PY" benchmarks/gpu_profile.py --optimizer rowwise_adagrad --setups "fused,cache 1.0" \
-        --steps 2
+    run profile_rowwise 90 "$PY" benchmarks/gpu/gpu_profile.py --optimizer rowwise_adagrad \
+        --setups "fused,cache 1.0" --steps 2
     run compare 200 "$PY" benchmarks/compare.py --cache-fraction "${CACHE_FRACTION:-1}" --out "$OUT/compare"
     # shellcheck disable=SC2086  # GPU_ARGS is a list of words
-    run benchmark 330 "$PY" benchmarks/gpu.py --rows "$ROWS" --json "$OUT/gpu.json" ${GPU_ARGS:-}
+    run benchmark 330 "$PY" benchmarks/gpu/gpu.py --rows "$ROWS" --json "$OUT/gpu.json" ${GPU_ARGS:-}
     # The GPU tests again without torch's caching allocator: every output
     # and workspace is then a fresh cudaMalloc, so a kernel that writes
     # nothing cannot pass on a buffer an earlier lookup left the right rows

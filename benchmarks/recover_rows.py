@@ -44,6 +44,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(sys.path[0], "cache"))  # benchmarks/cache/: _cache_plan_rows
 from _cache_plan_rows import policy_rows  # noqa: E402
 from _common import RESULTS_DIR, commit_of, machine_summary, make_row, write_rows  # noqa: E402
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(sys.path[0], "cache"))  # benchmarks/cache/: _cache_oracles
 import _cache_oracles as oracles  # noqa: E402
 from _common import REPO_ROOT, RESULTS_DIR, read_rows  # noqa: E402
 

@@ -143,25 +143,30 @@ static PyObject *heb_cuda_cache_plan(PyObject *mod, PyObject *args, PyObject *kw
 static PyObject *heb_cuda_cache_move(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
-    static char *kwlist[] = {"cache", "records", "host", "dim", "unique", "n", "slot", "miss", "evict_row", "device",
-                             "stream", NULL};
+    static char *kwlist[] = {"cache", "records", "host", "dim", "unique", "n", "slot", "miss", "evict_row", "written",
+                             "zero_fill", "device", "stream", NULL};
     he_cuda_cache c;
     PyObject *records, *host;
     HEB_ADDRESS(unique);
     HEB_ADDRESS(slot);
     HEB_ADDRESS(miss);
     HEB_ADDRESS(evict_row);
+    HEB_ADDRESS(written);
     HEB_ADDRESS(stream);
     long long dim, n;
+    unsigned int zero_fill;
     int device;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&OOLO&LO&O&O&iO&:cuda_cache_move", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&OOLO&LO&O&O&O&IiO&:cuda_cache_move", kwlist,
                                      heb_cuda_cache_converter, &c, &records, &host, &dim, heb_address_converter,
                                      &unique, &n, heb_address_converter, &slot, heb_address_converter, &miss,
-                                     heb_address_converter, &evict_row, &device, heb_address_converter, &stream))
+                                     heb_address_converter, &evict_row, heb_address_converter, &written, &zero_fill,
+                                     &device, heb_address_converter, &stream))
         return NULL;
     he_cuda_cache_arrays a;
     if (heb_cache_arrays(records, host, c.num_rows, dim, &a) < 0)
         return NULL;
+    a.written = written.ptr;
+    a.zero_fill = zero_fill;
     he_cuda_cache_batch plan = {slot.ptr, miss.ptr, evict_row.ptr};
     he_status st;
     Py_BEGIN_ALLOW_THREADS
@@ -410,19 +415,21 @@ static PyObject *heb_cuda_cache_adam_compact(PyObject *mod, PyObject *args, PyOb
 static PyObject *heb_cuda_cache_sync_records(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     (void)mod;
-    static char *kwlist[] = {"cache", "records", "host", "dim", "to_host", "device", "stream", NULL};
+    static char *kwlist[] = {"cache", "records", "host", "dim", "to_host", "written", "device", "stream", NULL};
     he_cuda_cache c;
     PyObject *records, *host;
+    HEB_ADDRESS(written);
     HEB_ADDRESS(stream);
     long long dim;
     int to_host, device;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&OOLpiO&:cuda_cache_sync_records", kwlist,
-                                     heb_cuda_cache_converter, &c, &records, &host, &dim, &to_host, &device,
-                                     heb_address_converter, &stream))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O&OOLpO&iO&:cuda_cache_sync_records", kwlist,
+                                     heb_cuda_cache_converter, &c, &records, &host, &dim, &to_host,
+                                     heb_address_converter, &written, &device, heb_address_converter, &stream))
         return NULL;
     he_cuda_cache_arrays a;
     if (heb_cache_arrays(records, host, c.num_rows, dim, &a) < 0)
         return NULL;
+    a.written = written.ptr;
     he_status st;
     Py_BEGIN_ALLOW_THREADS
     st = he_cuda_cache_sync_records(&c, &a, to_host, device, stream.ptr);
@@ -441,9 +448,11 @@ static PyMethodDef heb_cuda_cache_methods[] = {
      "device, stream)\n--\n\n"
      "Plans batch `batch` of unique rows unique[:n] on the GPU, as the CPU planner would (nothing waits)"},
     {"cuda_cache_move", HEB_KW_FUNC(heb_cuda_cache_move), METH_VARARGS | METH_KEYWORDS,
-     "cuda_cache_move($module, /, *, cache, records, host, dim, unique, n, slot, miss, evict_row, device, "
-     "stream)\n--\n\n"
-     "A plan's write-backs and fetches of records over the pinned mapping"},
+     "cuda_cache_move($module, /, *, cache, records, host, dim, unique, n, slot, miss, evict_row, written, "
+     "zero_fill, device, stream)\n--\n\n"
+     "A plan's write-backs and fetches of records over the pinned mapping; written (a byte a row, 0: none) "
+     "marks rows bypassed or written back, and a fetched row not marked gets zeros for the arrays of the "
+     "zero_fill bits"},
     {"cuda_cache_gather", HEB_KW_FUNC(heb_cuda_cache_gather), METH_VARARGS | METH_KEYWORDS,
      "cuda_cache_gather($module, /, *, records, host, num_rows, dim, unique, slot, n, out, device, stream)\n--\n\n"
      "out[k] = unique[k]'s row: from its slot, or over the mapping where slot[k] is -1"},
@@ -461,8 +470,9 @@ static PyMethodDef heb_cuda_cache_methods[] = {
      "SGD, Adagrad or row-wise Adagrad (kind) of distinct rows, each in its slot or in host memory, with the CPU "
      "core's bits"},
     {"cuda_cache_sync_records", HEB_KW_FUNC(heb_cuda_cache_sync_records), METH_VARARGS | METH_KEYWORDS,
-     "cuda_cache_sync_records($module, /, *, cache, records, host, dim, to_host, device, stream)\n--\n\n"
-     "Every occupied slot's records written to their host rows (to_host) or read from them"},
+     "cuda_cache_sync_records($module, /, *, cache, records, host, dim, to_host, written, device, stream)\n--\n\n"
+     "Every occupied slot's records written to their host rows (to_host; their rows marked in written, 0: "
+     "none) or read from them"},
     {NULL, NULL, 0, NULL},
 };
 

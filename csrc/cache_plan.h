@@ -16,7 +16,7 @@
  * come back soon; HE_CACHE_CLOCK, the policy before it, is CLOCK with 4-bit
  * counts halved every 10 batches (its GPU plans are recorded in
  * tests/fixtures/gpu_cache_plans.pt). Measured on the anchors' streams
- * (benchmarks/cache_plan.py --protocol): at 80% of the rows dynamicemb's
+ * (benchmarks/cache/cache_plan.py --protocol): at 80% of the rows dynamicemb's
  * stream touches, clock keeps 58.5% of a batch's rows, frequency 91%.
  * A slot used by one of the last `protect` batches planned (the one being
  * planned included) is never evicted: 1 when a batch is planned after the
@@ -46,7 +46,8 @@ typedef struct he_cache_stats {
  * Carried out in this order:
  *   1. evictions: slot evict_slot[i]'s record is written back to host row
  *      evict_row[i] (after every earlier step that used the slot is done:
- *      protect sees to it that none in flight did);
+ *      protect sees to it that none in flight did); listed in the order of
+ *      the rows that take the slots, as the fetches (the GPU's order);
  *   2. fetches: host row fetch_row[i]'s record moves into fetch_slot[i]
  *      (after that slot's write-back). fetch_after_update[i] marks a row
  *      that the previous batch updated in host memory (it bypassed the
@@ -69,7 +70,7 @@ typedef struct he_cache_plan {
 
 /* A cache of `capacity` slots (1 <= capacity < 2^28 - 1) for a table of
  * num_rows rows, every slot empty; protect is 1 or 2 (see above), policy
- * HE_CACHE_FREQUENCY or HE_CACHE_CLOCK. The frequency policy keeps 10
+ * HE_CACHE_FREQUENCY or HE_CACHE_CLOCK. The frequency policy keeps 12
  * bytes a row more than the clock's 4 (allocated as rows are first used). */
 he_status he_cache_new(int64_t num_rows, int64_t capacity, int protect, int policy, he_cache **out);
 void he_cache_free(he_cache *c);

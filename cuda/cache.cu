@@ -52,27 +52,41 @@ static he_status check_arrays(const he_cuda_cache_arrays *a, int at_least)
     return HE_OK;
 }
 
-/* Item i: column chunk i % chunks of the (i / chunks)-th miss. */
+/* Item i: column chunk i % chunks of the (i / chunks)-th miss. A miss that
+ * bypasses the cache is updated in host memory, and an evicted row is
+ * written back: both mark their rows written (the first chunk's thread).
+ * A fetched row not written since the state came to the cache gets zeros
+ * for the arrays of zero_fill, unread. */
 template <typename V>
 __global__ void move_records(arrays_of<V> a, int64_t chunks, const int64_t *__restrict__ unique,
-                             he_cuda_cache_batch plan, const int64_t *__restrict__ counters, int64_t items)
+                             he_cuda_cache_batch plan, int64_t *__restrict__ counters, int64_t items,
+                             uint8_t *__restrict__ written, unsigned zero_fill)
 {
     int64_t misses = counters[HE_CUDA_CACHE_MISSES];
     for (int64_t i = he_thread_index(); i < items; i += he_thread_count()) {
         int64_t j = i / chunks;
         if (j >= misses)
             break; /* items ascend with j */
-        int64_t k = plan.miss[j];
+        int64_t k = plan.miss[j], col = i - j * chunks;
         int32_t s = plan.slot[k];
-        if (s < 0)
+        if (s < 0) {
+            if (written && col == 0)
+                written[unique[k]] = 1;
             continue;
-        int64_t col = i - j * chunks, old = plan.evict_row[j];
+        }
+        int64_t old = plan.evict_row[j];
         int64_t at = (int64_t)s * chunks + col, from = unique[k] * chunks + col;
+        unsigned zeros = written && !written[unique[k]] ? zero_fill : 0u, reads = 0;
         V record[HE_CUDA_CACHE_ARRAYS], row[HE_CUDA_CACHE_ARRAYS];
 #pragma unroll
         for (int x = 0; x < HE_CUDA_CACHE_ARRAYS; x++) {
             if (x < a.count) {
-                row[x] = a.host[x][from];
+                if (zeros >> x & 1u) {
+                    row[x] = V();
+                } else {
+                    row[x] = a.host[x][from];
+                    reads++;
+                }
                 if (old >= 0)
                     record[x] = a.records[x][at];
             }
@@ -84,6 +98,11 @@ __global__ void move_records(arrays_of<V> a, int64_t chunks, const int64_t *__re
                     a.host[x][old * chunks + col] = record[x];
                 a.records[x][at] = row[x];
             }
+        }
+        if (col == 0) {
+            if (written && old >= 0)
+                written[old] = 1;
+            he_cuda_count_add(&counters[HE_CUDA_CACHE_HOST_READS], reads);
         }
     }
 }
@@ -108,11 +127,11 @@ extern "C" he_status he_cuda_cache_move(const he_cuda_cache *c, const he_cuda_ca
     if (vectorised(a, NULL)) {
         int64_t chunks = a->dim / 4, items = n * chunks;
         move_records<float4><<<he_cuda_blocks(items, HE_CUDA_THREADS), HE_CUDA_THREADS, 0, stream>>>(
-            arrays_as<float4>(a), chunks, unique, *plan, c->counters, items);
+            arrays_as<float4>(a), chunks, unique, *plan, c->counters, items, a->written, a->zero_fill);
     } else {
         int64_t items = n * a->dim;
         move_records<float><<<he_cuda_blocks(items, HE_CUDA_THREADS), HE_CUDA_THREADS, 0, stream>>>(
-            arrays_as<float>(a), a->dim, unique, *plan, c->counters, items);
+            arrays_as<float>(a), a->dim, unique, *plan, c->counters, items, a->written, a->zero_fill);
     }
     HE_CUDA_LAUNCHED(move_records);
     return HE_OK;
@@ -347,12 +366,14 @@ extern "C" he_status he_cuda_cache_update(const he_cuda_cache *c, const he_cuda_
 
 template <typename V>
 __global__ void sync_records(arrays_of<V> a, const int64_t *__restrict__ row_of, int64_t chunks, int64_t items,
-                             int to_host)
+                             int to_host, uint8_t *__restrict__ written)
 {
     for (int64_t i = he_thread_index(); i < items; i += he_thread_count()) {
         int64_t s = i / chunks, col = i - s * chunks, row = row_of[s];
         if (row < 0)
             continue;
+        if (to_host && written && col == 0) /* written back: no longer as the state came */
+            written[row] = 1;
         for (int x = 0; x < a.count; x++) {
             if (to_host)
                 a.host[x][row * chunks + col] = a.records[x][s * chunks + col];
@@ -380,11 +401,11 @@ extern "C" he_status he_cuda_cache_sync_records(const he_cuda_cache *c, const he
     if (vectorised(a, NULL)) {
         int64_t chunks = a->dim / 4, items = c->capacity * chunks;
         sync_records<float4><<<he_cuda_blocks(items, HE_CUDA_THREADS), HE_CUDA_THREADS, 0, stream>>>(
-            arrays_as<float4>(a), c->row_of, chunks, items, to_host);
+            arrays_as<float4>(a), c->row_of, chunks, items, to_host, a->written);
     } else {
         int64_t items = c->capacity * a->dim;
         sync_records<float><<<he_cuda_blocks(items, HE_CUDA_THREADS), HE_CUDA_THREADS, 0, stream>>>(
-            arrays_as<float>(a), c->row_of, a->dim, items, to_host);
+            arrays_as<float>(a), c->row_of, a->dim, items, to_host, a->written);
     }
     HE_CUDA_LAUNCHED(sync_records);
     return HE_OK;

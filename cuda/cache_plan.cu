@@ -14,12 +14,15 @@
  * writes (distinct slots, distinct miss rows, evicted rows that are not in
  * the batch), so no atomics decide anything; the counts use them.
  *
- * The frequency policy: see its part below. */
+ * The frequency policy: he_cuda_cache_frequency.cuh (its kernels, and the
+ * order they run in, which its host twin runs too), on CUB's scans and
+ * radix sorts here. */
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
 #include "he_cache_policy.h"
 #include "he_cuda_cache.cuh"
+#include "he_cuda_cache_frequency.cuh"
 #include "he_cuda_common.cuh"
 
 /* ---- the clock policy: a round of the hand at once */
@@ -45,14 +48,6 @@ static he_status clock_layout_of(int64_t n, int64_t capacity, clock_layout *l)
     return HE_OK;
 }
 
-/* Warp-aggregated count: one atomic per group of converged lanes. */
-static __device__ __forceinline__ void count_add(int64_t *counter, unsigned value)
-{
-    unsigned mask = __activemask();
-    unsigned sum = __reduce_add_sync(mask, value);
-    if ((threadIdx.x & (HE_CUDA_WARP - 1)) == (unsigned)(__ffs(mask) - 1) && sum)
-        atomicAdd((unsigned long long *)counter, (unsigned long long)sum);
-}
 
 __global__ void age_entries(uint32_t *__restrict__ entry, int64_t num_rows)
 {
@@ -76,19 +71,6 @@ __global__ void touch_rows(he_cuda_cache c, const int64_t *__restrict__ unique, 
         if (s1) {
             c.used_at[s1 - 1] = batch;
             c.referenced[s1 - 1] = 1;
-        }
-    }
-}
-
-__global__ void list_misses(const int32_t *__restrict__ flags, const int32_t *__restrict__ ranks, int64_t n,
-                            int64_t *__restrict__ miss, int64_t *__restrict__ counters)
-{
-    for (int64_t k = he_thread_index(); k < n; k += he_thread_count()) {
-        if (flags[k])
-            miss[ranks[k]] = k;
-        if (k == n - 1) {
-            counters[HE_CUDA_CACHE_MISSES] = ranks[k] + flags[k];
-            counters[HE_CUDA_CACHE_BASE] = 0;
         }
     }
 }
@@ -146,8 +128,8 @@ __global__ void round_assign(he_cuda_cache c, const int64_t *__restrict__ unique
                 took = 1;
             }
         }
-        count_add(&c.counters[HE_CUDA_CACHE_FETCHES], took);
-        count_add(&c.counters[HE_CUDA_CACHE_EVICTIONS], evicted);
+        he_cuda_count_add(&c.counters[HE_CUDA_CACHE_FETCHES], took);
+        he_cuda_count_add(&c.counters[HE_CUDA_CACHE_EVICTIONS], evicted);
     }
 }
 
@@ -190,15 +172,6 @@ __global__ void round_end(he_cuda_cache c, const int32_t *__restrict__ flags, co
     }
 }
 
-__global__ void plan_done(int64_t *counters, int64_t n)
-{
-    if (n == 0) /* no list_misses ran: the last batch's would stay */
-        counters[HE_CUDA_CACHE_MISSES] = counters[HE_CUDA_CACHE_BASE] = 0;
-    counters[HE_CUDA_CACHE_BATCHES] += 1;
-    counters[HE_CUDA_CACHE_ROWS] += n;
-    counters[HE_CUDA_CACHE_HITS] += n - (n ? counters[HE_CUDA_CACHE_MISSES] : 0);
-}
-
 static he_status plan_clock(const he_cuda_cache *c, const int64_t *unique, int64_t n, int64_t batch,
                             const he_cuda_cache_batch *plan, void *workspace, const clock_layout &l,
                             cudaStream_t stream)
@@ -236,16 +209,8 @@ static he_status plan_clock(const he_cuda_cache *c, const int64_t *unique, int64
 }
 
 
-/* ---- the frequency policy: sorts instead of a hand
- *
- * The CPU planner pairs misses and slots by keys whose order is total
- * (he_cache_miss_key, he_cache_victim_key), so a radix sort of each side
- * here gives its pairs, and each pair's decision reads only state no other
- * pair writes (distinct slots, distinct miss rows, evicted rows not in the
- * batch). The window's ring is ranked as a round of the clock's hand is:
- * a prefix sum over its free slots from the hand, the i-th row turned
- * away meeting the i-th. Sizes the host does not know (misses, eligible
- * slots, the window) stay in counters: kernels read them, nothing waits. */
+/* ---- the frequency policy (he_cuda_cache_frequency.cuh): its scratch,
+ * and CUB for its primitives */
 
 struct frequency_layout {
     size_t flags, ranks, turned, turned_ranks, turned_list, miss_keys, miss_sorted, keys, sorted, ring, ring_ranks,
@@ -289,285 +254,61 @@ static he_status frequency_layout_of(int64_t n, int64_t capacity, frequency_layo
     return HE_OK;
 }
 
-/* One thread: a batch's counts cleared before its kernels add to them. */
-__global__ void frequency_begin(int64_t *counters)
-{
-    counters[HE_CUDA_CACHE_ELIGIBLE] = 0;
-    counters[HE_CUDA_CACHE_BACK] = 0;
-    counters[HE_CUDA_CACHE_TURNED] = 0;
-    counters[HE_CUDA_CACHE_LEAST] = HE_CACHE_COUNT_MAX + 1;
-    counters[HE_CUDA_CACHE_TAKEN] = -1;
-}
+/* he_cache_plan_frequency's primitives on the GPU: kernels and CUB on the
+ * stream, CUB's scratch at temp. */
+struct cub_prims {
+    void *temp;
+    size_t temp_bytes;
+    cudaStream_t stream;
+    unsigned threads = HE_CUDA_THREADS;
 
-/* One more use of each row, its slot looked up, a hit's slot stamped in
- * use (and its count); flags[k] marks a miss. */
-__global__ void frequency_touch(he_cuda_cache c, const int64_t *__restrict__ unique, int64_t n, int64_t batch,
-                                he_cuda_cache_batch plan, int32_t *__restrict__ flags)
-{
-    for (int64_t k = he_thread_index(); k < n; k += he_thread_count()) {
-        int64_t row = unique[k];
-        uint32_t uses = c.count[row];
-        if (uses < HE_CACHE_COUNT_MAX)
-            c.count[row] = (uint16_t)++uses;
-        uint32_t s1 = he_cache_entry_slot1(c.entry[row]);
-        plan.slot[k] = (int32_t)s1 - 1;
-        plan.evict_row[k] = -1;
-        flags[k] = s1 == 0;
-        if (s1) {
-            c.used_at[s1 - 1] = batch;
-            c.slot_count[s1 - 1] = (uint16_t)uses;
-        }
+    unsigned blocks(int64_t items) const
+    {
+        return he_cuda_blocks(items, HE_CUDA_THREADS);
     }
-}
 
-/* Each miss's key at its rank among the misses; the rest of the n keys
- * sort last. */
-__global__ void frequency_miss_keys(he_cuda_cache c, const int64_t *__restrict__ unique, int64_t n, int64_t batch,
-                                    const int32_t *__restrict__ flags, const int32_t *__restrict__ ranks,
-                                    uint64_t *__restrict__ keys)
-{
-    int64_t misses = c.counters[HE_CUDA_CACHE_MISSES];
-    for (int64_t k = he_thread_index(); k < n; k += he_thread_count()) {
-        if (flags[k]) {
-            int64_t row = unique[k];
-            keys[ranks[k]] = he_cache_miss_key(c.count[row], c.last[row], batch, k);
-        }
-        if (k >= misses)
-            keys[k] = UINT64_MAX;
+    template <typename... P, typename... A>
+    he_status launch(void (*kernel)(P...), unsigned grid, unsigned block, A... args) const
+    {
+        kernel<<<grid, block, 0, stream>>>(args...);
+        HE_CUDA_TRY_AS(cudaGetLastError(), "launch of a frequency planner kernel");
+        return HE_OK;
     }
-}
 
-/* Each eligible main slot's key; the others (the window's, those in use)
- * sort last. */
-__global__ void frequency_victim_keys(he_cuda_cache c, int64_t batch, uint64_t *__restrict__ keys)
-{
-    int64_t window = c.counters[HE_CUDA_CACHE_WINDOW];
-    for (int64_t s = he_thread_index(); s < c.capacity; s += he_thread_count()) {
-        uint64_t key = UINT64_MAX;
-        int64_t row = c.row_of[s];
-        int eligible = s >= window && (row < 0 || !he_cache_protected(c.used_at[s], batch, c.protect));
-        if (eligible)
-            key = he_cache_victim_key(row >= 0 ? c.slot_count[s] : 0, c.used_at[s], batch, s);
-        keys[s] = key;
-        count_add(&c.counters[HE_CUDA_CACHE_ELIGIBLE], (unsigned)eligible);
+    he_status scan(const int32_t *in, int32_t *out, int64_t n) const
+    {
+        size_t bytes = temp_bytes;
+        HE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(temp, bytes, in, out, (int)n, stream));
+        return HE_OK;
     }
-}
 
-/* unique[k] takes slot s, its record written back first (the j-th miss's
- * eviction, j = ranks[k]). */
-static __device__ __forceinline__ unsigned frequency_place(he_cuda_cache &c, he_cuda_cache_batch &plan,
-                                                           const int32_t *ranks, int64_t k, int64_t row, int64_t s,
-                                                           int64_t batch)
-{
-    int64_t occupant = c.row_of[s];
-    if (occupant >= 0) {
-        c.entry[occupant] = he_cache_entry_uncached(c.entry[occupant]);
-        plan.evict_row[ranks[k]] = occupant;
+    he_status sort(const uint64_t *in, uint64_t *out, int64_t n) const
+    {
+        size_t bytes = temp_bytes;
+        HE_CUDA_TRY(cub::DeviceRadixSort::SortKeys(temp, bytes, in, out, (int)n, 0, 64, stream));
+        return HE_OK;
     }
-    c.entry[row] = he_cache_entry_with_slot(c.entry[row], s);
-    c.row_of[s] = row;
-    c.used_at[s] = batch;
-    c.slot_count[s] = c.count[row];
-    plan.slot[k] = (int32_t)s;
-    return occupant >= 0;
-}
-
-/* The i-th miss, most valuable first, meets the i-th eligible slot, least
- * valuable first. */
-__global__ void frequency_pairs(he_cuda_cache c, const int64_t *__restrict__ unique, int64_t n, int64_t batch,
-                                const uint64_t *__restrict__ misses, const uint64_t *__restrict__ victims,
-                                const int32_t *__restrict__ ranks, he_cuda_cache_batch plan)
-{
-    int64_t pairs = c.counters[HE_CUDA_CACHE_MISSES], eligible = c.counters[HE_CUDA_CACHE_ELIGIBLE];
-    pairs = pairs < eligible ? pairs : eligible;
-    for (int64_t i = he_thread_index(); i < n; i += he_thread_count()) {
-        unsigned took = 0, evicted = 0;
-        if (i < pairs) {
-            int64_t k = he_cache_key_index(misses[i]), s = he_cache_key_index(victims[i]), row = unique[k];
-            int64_t occupant = c.row_of[s];
-            if (he_cache_takes(c.count[row], c.last[row], occupant, occupant >= 0 ? c.slot_count[s] : 0,
-                               c.used_at[s])) {
-                evicted = frequency_place(c, plan, ranks, k, row, s, batch);
-                took = 1;
-            }
-        }
-        count_add(&c.counters[HE_CUDA_CACHE_FETCHES], took);
-        count_add(&c.counters[HE_CUDA_CACHE_EVICTIONS], evicted);
-    }
-}
-
-/* The gate's counts over the batch: its rows turned away lately (before
- * this batch's are stamped) and now; turned[k] marks those. */
-__global__ void frequency_gate_rows(he_cuda_cache c, const int64_t *__restrict__ unique, int64_t n, int64_t batch,
-                                    he_cuda_cache_batch plan, int32_t *__restrict__ turned)
-{
-    for (int64_t k = he_thread_index(); k < n; k += he_thread_count()) {
-        int64_t row = unique[k];
-        unsigned back = he_cache_turned_lately(c.turned_at[row], batch), now = plan.slot[k] < 0;
-        if (now)
-            c.turned_at[row] = (uint32_t)batch;
-        turned[k] = (int32_t)now;
-        count_add(&c.counters[HE_CUDA_CACHE_BACK], back);
-        count_add(&c.counters[HE_CUDA_CACHE_TURNED], now);
-    }
-}
-
-/* The least used main row's uses: a min a warp, an atomic a warp. */
-__global__ void frequency_gate_slots(he_cuda_cache c)
-{
-    int64_t window = c.counters[HE_CUDA_CACHE_WINDOW];
-    unsigned least = HE_CACHE_COUNT_MAX + 1;
-    for (int64_t s = window + he_thread_index(); s < c.capacity; s += he_thread_count())
-        if (c.row_of[s] >= 0 && c.slot_count[s] < least)
-            least = c.slot_count[s];
-    least = __reduce_min_sync(0xffffffffu, least);
-    if ((threadIdx.x & (HE_CUDA_WARP - 1)) == 0 && least <= HE_CACHE_COUNT_MAX)
-        atomicMin((unsigned long long *)&c.counters[HE_CUDA_CACHE_LEAST], (unsigned long long)least);
-}
-
-/* One thread: the window's size for the next batch, as the CPU's
- * he_cache_gate_update gives it. */
-__global__ void frequency_gate_end(he_cuda_cache c, int64_t batch)
-{
-    int64_t *counters = c.counters;
-    he_cache_gate g;
-    g.reuse = (uint64_t)counters[HE_CUDA_CACHE_REUSE];
-    g.main = (uint64_t)counters[HE_CUDA_CACHE_MAIN];
-    for (int i = 0; i < HE_CACHE_GATE_SPAN; i++)
-        g.recent[i] = counters[HE_CUDA_CACHE_RECENT + i];
-    int64_t least = counters[HE_CUDA_CACHE_LEAST];
-    int64_t window = he_cache_gate_update(&g, counters[HE_CUDA_CACHE_BACK], counters[HE_CUDA_CACHE_TURNED],
-                                          least > HE_CACHE_COUNT_MAX ? 0u : (uint32_t)least, batch, c.capacity);
-    counters[HE_CUDA_CACHE_REUSE] = (int64_t)g.reuse;
-    counters[HE_CUDA_CACHE_MAIN] = (int64_t)g.main;
-    for (int i = 0; i < HE_CACHE_GATE_SPAN; i++)
-        counters[HE_CUDA_CACHE_RECENT + i] = g.recent[i];
-    counters[HE_CUDA_CACHE_WINDOW] = window;
-    counters[HE_CUDA_CACHE_WINDOW_HAND] = window ? counters[HE_CUDA_CACHE_WINDOW_HAND] % window : 0;
-}
-
-__global__ void frequency_turned_list(const int32_t *__restrict__ turned, const int32_t *__restrict__ ranks, int64_t n,
-                                      int64_t *__restrict__ list)
-{
-    for (int64_t k = he_thread_index(); k < n; k += he_thread_count())
-        if (turned[k])
-            list[ranks[k]] = k;
-}
-
-static __device__ __forceinline__ int64_t ring_slot(const he_cuda_cache &c, int64_t q)
-{
-    int64_t window = c.counters[HE_CUDA_CACHE_WINDOW], s = c.counters[HE_CUDA_CACHE_WINDOW_HAND] + q;
-    return s >= window ? s - window : s;
-}
-
-/* ring[q]: whether the q-th window slot from its hand is free (not in use
- * by this batch or, planned ahead, the last). */
-__global__ void frequency_ring_flags(he_cuda_cache c, int64_t batch, int32_t *__restrict__ ring)
-{
-    int64_t window = c.counters[HE_CUDA_CACHE_WINDOW];
-    int any = c.counters[HE_CUDA_CACHE_TURNED] > 0;
-    for (int64_t q = he_thread_index(); q < c.capacity; q += he_thread_count())
-        ring[q] = any && q < window && !he_cache_protected(c.used_at[ring_slot(c, q)], batch, c.protect);
-}
-
-/* The i-th row turned away (ascending) takes the i-th free window slot. */
-__global__ void frequency_ring_assign(he_cuda_cache c, const int64_t *__restrict__ unique, int64_t batch,
-                                      const int32_t *__restrict__ ring, const int32_t *__restrict__ ring_ranks,
-                                      const int64_t *__restrict__ list, const int32_t *__restrict__ ranks,
-                                      he_cuda_cache_batch plan)
-{
-    int64_t window = c.counters[HE_CUDA_CACHE_WINDOW], turned = c.counters[HE_CUDA_CACHE_TURNED];
-    int64_t free_slots = window > 0 ? (int64_t)ring_ranks[window - 1] + ring[window - 1] : 0;
-    int64_t taking = turned < free_slots ? turned : free_slots;
-    for (int64_t q = he_thread_index(); q < c.capacity; q += he_thread_count()) {
-        unsigned took = 0, evicted = 0;
-        if (q < window && ring[q] && ring_ranks[q] < taking) {
-            int64_t t = ring_ranks[q], k = list[t], s = ring_slot(c, q);
-            evicted = frequency_place(c, plan, ranks, k, unique[k], s, batch);
-            took = 1;
-            if (t == taking - 1)
-                c.counters[HE_CUDA_CACHE_TAKEN] = s;
-        }
-        count_add(&c.counters[HE_CUDA_CACHE_FETCHES], took);
-        count_add(&c.counters[HE_CUDA_CACHE_EVICTIONS], evicted);
-    }
-}
-
-/* One thread: the window's hand after the last slot taken. */
-__global__ void frequency_ring_end(int64_t *counters)
-{
-    int64_t taken = counters[HE_CUDA_CACHE_TAKEN], window = counters[HE_CUDA_CACHE_WINDOW];
-    if (taken >= 0)
-        counters[HE_CUDA_CACHE_WINDOW_HAND] = taken + 1 == window ? 0 : taken + 1;
-}
-
-__global__ void frequency_last_use(he_cuda_cache c, const int64_t *__restrict__ unique, int64_t n, int64_t batch)
-{
-    for (int64_t k = he_thread_index(); k < n; k += he_thread_count())
-        c.last[unique[k]] = (uint32_t)batch;
-}
+};
 
 static he_status plan_frequency(const he_cuda_cache *c, const int64_t *unique, int64_t n, int64_t batch,
                                 const he_cuda_cache_batch *plan, void *workspace, const frequency_layout &l,
                                 cudaStream_t stream)
 {
     char *ws = (char *)workspace;
-    int32_t *flags = (int32_t *)(ws + l.flags), *ranks = (int32_t *)(ws + l.ranks);
-    int32_t *turned = (int32_t *)(ws + l.turned), *turned_ranks = (int32_t *)(ws + l.turned_ranks);
-    int32_t *ring = (int32_t *)(ws + l.ring), *ring_ranks = (int32_t *)(ws + l.ring_ranks);
-    int64_t *turned_list = (int64_t *)(ws + l.turned_list);
-    uint64_t *miss_keys = (uint64_t *)(ws + l.miss_keys), *miss_sorted = (uint64_t *)(ws + l.miss_sorted);
-    uint64_t *keys = (uint64_t *)(ws + l.keys), *sorted = (uint64_t *)(ws + l.sorted);
-    const unsigned threads = HE_CUDA_THREADS;
-    unsigned rows = he_cuda_blocks(n, threads), slots = he_cuda_blocks(c->capacity, threads);
-    frequency_begin<<<1, 1, 0, stream>>>(c->counters);
-    HE_CUDA_LAUNCHED(frequency_begin);
-    if (n == 0) { /* the gate still counts the batch, as the CPU's does */
-        frequency_gate_slots<<<slots, threads, 0, stream>>>(*c);
-        HE_CUDA_LAUNCHED(frequency_gate_slots);
-        frequency_gate_end<<<1, 1, 0, stream>>>(*c, batch);
-        HE_CUDA_LAUNCHED(frequency_gate_end);
-        return HE_OK;
-    }
-    frequency_touch<<<rows, threads, 0, stream>>>(*c, unique, n, batch, *plan, flags);
-    HE_CUDA_LAUNCHED(frequency_touch);
-    size_t temp_bytes = l.temp_bytes;
-    HE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(ws + l.temp, temp_bytes, flags, ranks, (int)n, stream));
-    list_misses<<<rows, threads, 0, stream>>>(flags, ranks, n, plan->miss, c->counters);
-    HE_CUDA_LAUNCHED(list_misses);
-    frequency_miss_keys<<<rows, threads, 0, stream>>>(*c, unique, n, batch, flags, ranks, miss_keys);
-    HE_CUDA_LAUNCHED(frequency_miss_keys);
-    frequency_victim_keys<<<slots, threads, 0, stream>>>(*c, batch, keys);
-    HE_CUDA_LAUNCHED(frequency_victim_keys);
-    temp_bytes = l.temp_bytes;
-    HE_CUDA_TRY(cub::DeviceRadixSort::SortKeys(ws + l.temp, temp_bytes, miss_keys, miss_sorted, (int)n, 0, 64, stream));
-    temp_bytes = l.temp_bytes;
-    HE_CUDA_TRY(
-        cub::DeviceRadixSort::SortKeys(ws + l.temp, temp_bytes, keys, sorted, (int)c->capacity, 0, 64, stream));
-    frequency_pairs<<<rows, threads, 0, stream>>>(*c, unique, n, batch, miss_sorted, sorted, ranks, *plan);
-    HE_CUDA_LAUNCHED(frequency_pairs);
-    frequency_gate_rows<<<rows, threads, 0, stream>>>(*c, unique, n, batch, *plan, turned);
-    HE_CUDA_LAUNCHED(frequency_gate_rows);
-    frequency_gate_slots<<<slots, threads, 0, stream>>>(*c);
-    HE_CUDA_LAUNCHED(frequency_gate_slots);
-    frequency_gate_end<<<1, 1, 0, stream>>>(*c, batch);
-    HE_CUDA_LAUNCHED(frequency_gate_end);
-    temp_bytes = l.temp_bytes;
-    HE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(ws + l.temp, temp_bytes, turned, turned_ranks, (int)n, stream));
-    frequency_turned_list<<<rows, threads, 0, stream>>>(turned, turned_ranks, n, turned_list);
-    HE_CUDA_LAUNCHED(frequency_turned_list);
-    frequency_ring_flags<<<slots, threads, 0, stream>>>(*c, batch, ring);
-    HE_CUDA_LAUNCHED(frequency_ring_flags);
-    temp_bytes = l.temp_bytes;
-    HE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(ws + l.temp, temp_bytes, ring, ring_ranks, (int)c->capacity, stream));
-    frequency_ring_assign<<<slots, threads, 0, stream>>>(*c, unique, batch, ring, ring_ranks, turned_list, ranks,
-                                                         *plan);
-    HE_CUDA_LAUNCHED(frequency_ring_assign);
-    frequency_ring_end<<<1, 1, 0, stream>>>(c->counters);
-    HE_CUDA_LAUNCHED(frequency_ring_end);
-    frequency_last_use<<<rows, threads, 0, stream>>>(*c, unique, n, batch);
-    HE_CUDA_LAUNCHED(frequency_last_use);
-    return HE_OK;
+    he_cache_frequency_buffers b;
+    b.flags = (int32_t *)(ws + l.flags);
+    b.ranks = (int32_t *)(ws + l.ranks);
+    b.turned = (int32_t *)(ws + l.turned);
+    b.turned_ranks = (int32_t *)(ws + l.turned_ranks);
+    b.turned_list = (int64_t *)(ws + l.turned_list);
+    b.miss_keys = (uint64_t *)(ws + l.miss_keys);
+    b.miss_sorted = (uint64_t *)(ws + l.miss_sorted);
+    b.keys = (uint64_t *)(ws + l.keys);
+    b.sorted = (uint64_t *)(ws + l.sorted);
+    b.ring = (int32_t *)(ws + l.ring);
+    b.ring_ranks = (int32_t *)(ws + l.ring_ranks);
+    cub_prims p = {ws + l.temp, l.temp_bytes, stream};
+    return he_cache_plan_frequency(c, unique, n, batch, plan, b, p);
 }
 
 extern "C" he_status he_cuda_cache_plan_workspace(int64_t n, int64_t capacity, int policy, int device, size_t *bytes)

@@ -171,6 +171,7 @@ enum {
     HE_CUDA_CACHE_MAIN,
     HE_CUDA_CACHE_RECENT, /* HE_CACHE_GATE_SPAN of them */
     HE_CUDA_CACHE_TAKEN = HE_CUDA_CACHE_RECENT + HE_CACHE_GATE_SPAN,
+    HE_CUDA_CACHE_HOST_READS, /* rows of arrays the moves read over PCIe (fetches) */
     HE_CUDA_CACHE_COUNTERS
 };
 
@@ -188,13 +189,21 @@ typedef struct he_cuda_cache_batch {
 
 /* The records and the host rows they cache: count arrays (the weight,
  * then the optimizer state), records[i] [capacity, dim] in device memory,
- * host[i] the device address of registered host rows [num_rows, dim]. */
+ * host[i] the device address of registered host rows [num_rows, dim].
+ * For the moves (he_cuda_cache_move, he_cuda_cache_sync_records; NULL and 0
+ * elsewhere): written[row] (device memory, a byte a row) is set once a
+ * row's host state may differ from what it was when the state came to the
+ * cache (the row was bypassed, so updated there, or written back); array
+ * i with bit i of zero_fill set held all-zero bits then, so a row not
+ * written since is fetched as zeros instead of read over PCIe. */
 #define HE_CUDA_CACHE_ARRAYS 3
 typedef struct he_cuda_cache_arrays {
     float *records[HE_CUDA_CACHE_ARRAYS];
     float *host[HE_CUDA_CACHE_ARRAYS];
     int count;
     int64_t dim;
+    uint8_t *written;
+    unsigned zero_fill;
 } he_cuda_cache_arrays;
 
 /* Bytes of device scratch he_cuda_cache_plan needs for n rows. */

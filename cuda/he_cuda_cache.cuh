@@ -1,5 +1,5 @@
-/* What cache.cu (the records) and cache_plan.cu (the planner) both check
- * of a GPU cache's state. */
+/* What cache.cu (the records) and cache_plan.cu (the planner) share: the
+ * checks of a GPU cache's state, and how kernels add to its counters. */
 #ifndef HE_CUDA_CACHE_CUH
 #define HE_CUDA_CACHE_CUH
 
@@ -19,6 +19,21 @@ static inline he_status he_cuda_check_cache(const he_cuda_cache *c)
         return he_fail(HE_ERR_VALUE, "a GPU cache of the frequency policy needs its count, last, turned_at and "
                                      "slot_count arrays");
     return HE_OK;
+}
+
+/* Warp-aggregated count: one atomic per group of converged lanes (on the
+ * host twin, device_shim.h's threads, one atomic each). */
+static __device__ __forceinline__ void he_cuda_count_add(int64_t *counter, unsigned value)
+{
+#if defined(__CUDA_ARCH__)
+    unsigned mask = __activemask();
+    unsigned sum = __reduce_add_sync(mask, value);
+    if ((threadIdx.x & (HE_CUDA_WARP - 1)) == (unsigned)(__ffs(mask) - 1) && sum)
+        atomicAdd((unsigned long long *)counter, (unsigned long long)sum);
+#else
+    if (value)
+        __atomic_fetch_add(counter, (int64_t)value, __ATOMIC_RELAXED);
+#endif
 }
 
 #endif

@@ -34,7 +34,8 @@
  * more often, per slot, than the least used main row is used; at most
  * HE_CACHE_GATE_PERCENT of the slots. On a replayed stream it stays shut.
  * Per row: the count, the batch of the last use and the batch it was last
- * turned away (10 bytes beyond the entry).
+ * turned away (10 bytes beyond the entry on the GPU; 12, one record a row,
+ * in the CPU planner).
  *
  * HE_CACHE_CLOCK (the policy before it; the GPU fixture recorded on an
  * H200, tests/fixtures/gpu_cache_plans.pt, pins it): CLOCK with frequency

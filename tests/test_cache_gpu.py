@@ -286,8 +286,8 @@ def test_bad_ids_raise_and_change_nothing_on_the_gpu():
 
 # ---- the planner on the GPU, and a step that never waits for it
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
-import cache_plan_record  # noqa: E402  (benchmarks/ on the path first)
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks" / "cache"))
+import cache_plan_record  # noqa: E402  (benchmarks/cache/ on the path first)
 
 
 @pytest.mark.parametrize("config", cache_plan_record.ALL_CONFIGS,

@@ -87,7 +87,7 @@ def test_bad_batches_are_refused_and_change_nothing():
 
 
 def test_cache_benchmark_finds_every_row_of_a_replayed_stream_in_a_full_cache(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks" / "cache"))
     import cache_plan
     out = tmp_path / "plan.json"
     cache_plan.main(["--rows", "20000", "--batch", "4000", "--stream", "4", "--warmup", "4", "--steps", "8",
@@ -216,10 +216,10 @@ def test_host_rows_rewritten_unseen_by_torch_are_reread_once_marked_stale():
 
 def test_the_cpu_planner_makes_the_decisions_recorded_from_the_gpu_planner(monkeypatch):
     # tests/fixtures/gpu_cache_plans.pt: the GPU planner's slots and
-    # evictions on benchmarks/cache_plan_record.py's streams, recorded on a
+    # evictions on benchmarks/cache/cache_plan_record.py's streams, recorded on a
     # GPU (an H200, 2026-11-26). The CPU planner is its host twin: any
     # change of either policy shows here without a GPU.
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks" / "cache"))
     import cache_plan_record
     recorded = torch.load(pathlib.Path(__file__).parent / "fixtures" / "gpu_cache_plans.pt", weights_only=True)
     configs = [r["config"] for r in recorded["recorded"]]

@@ -1,4 +1,4 @@
-"""benchmarks/_cache_oracles.py, the yardsticks benchmarks/cache_plan.py
+"""benchmarks/cache/_cache_oracles.py, the yardsticks benchmarks/cache/cache_plan.py
 --protocol holds the row cache's policy against: the static top-frequency
 cache and Belady's optimum on hand-made streams whose hit rates are worked
 out below, and the simulator of the shipped policy against the CPU planner
@@ -14,7 +14,8 @@ BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
 
 @pytest.fixture
 def oracles(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # _common
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "cache"))
     import _cache_oracles
     return _cache_oracles
 

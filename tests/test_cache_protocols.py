@@ -1,5 +1,5 @@
-"""benchmarks/cache_step.py, the row cache on the anchors' protocols: its id
-streams follow the protocols as written in benchmarks/_anchor_streams.py,
+"""benchmarks/gpu/cache_step.py, the row cache on the anchors' protocols: its id
+streams follow the protocols as written in benchmarks/cache/_anchor_streams.py,
 and a CPU run at a small scale writes the report's rows."""
 import json
 import pathlib
@@ -12,7 +12,8 @@ BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
 
 @pytest.fixture
 def streams(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # _common
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "cache"))
     import _anchor_streams
     return _anchor_streams
 
@@ -61,7 +62,7 @@ def test_fbgemm_stream_has_distinct_bags_and_reuses_a_tenth(streams):
 
 
 def test_the_harness_writes_a_row_per_protocol_cache_and_state(tmp_path, monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "gpu"))
     import cache_step
     out = tmp_path / "cache_protocols.json"
     cache_step.main(["--device", "cpu", "--scale", "0.0005", "--batches", "3", "--iters", "2", "--warmup", "2",
@@ -112,7 +113,7 @@ def test_the_reported_record_size_is_the_records_the_cache_allocates(tmp_path, m
     records the cache allocated for its rows (weight, each state tensor,
     8-bit scales): measured on the cache each timed run used, at each size,
     for Adam's float32, bfloat16 and 8-bit state and row-wise Adagrad."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "gpu"))
     import cache_step
     seen = []
     real_run = cache_step.run

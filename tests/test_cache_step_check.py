@@ -1,4 +1,4 @@
-"""benchmarks/cache_step.py's check before timing: a table with a row cache
+"""benchmarks/gpu/cache_step.py's check before timing: a table with a row cache
 must train to the uncached table's bits (each step's output, the weight,
 every optimizer state entry) at every timed cache size. Faults injected
 into the cache (a neighbouring row served once, a state record zeroed
@@ -22,7 +22,7 @@ CASES = [("fresh", "adam", "float32", "1,0.2,0.05"), ("fresh", "adam", "int8", "
 
 @pytest.fixture
 def cache_step(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "gpu"))
     import cache_step
     return cache_step
 

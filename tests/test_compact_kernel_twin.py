@@ -17,12 +17,8 @@ specification; tests/test_cache_gpu.py runs the kernel on a GPU), nor the
 bits of a NaN weight: the GPU's float arithmetic gives one NaN,
 0x7FFFFFFF, where x86 gives others, so a weight's NaNs match any NaN.
 The moments' NaNs are constants the kernel writes, compared bit for bit."""
-import os
-import shlex
-import shutil
 import struct
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,8 +27,7 @@ import torch
 from hostembed._core.ops import update as _ops
 from hostembed._core.table import STATE_CODES, HostTable
 
-REPO = Path(__file__).resolve().parent.parent
-TWIN = REPO / "tests" / "kernel_twin"
+from kernel_twin_build import build_twin
 
 # include/he_cache_policy.h: an entry is slot + 1 below this bit, a use count above.
 SLOT_BITS = 28
@@ -45,53 +40,10 @@ FORMS = {"bfloat16": (torch.bfloat16, torch.bfloat16), "int8": (torch.int8, torc
          "int8-int8": (torch.int8, torch.int8)}
 
 
-def _cuda_include():
-    """The CUDA toolkit's include folder (the harness takes the real
-    cuda_runtime.h), or None."""
-    homes = [os.environ.get(var) for var in ("CUDA_HOME", "CUDA_PATH")]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        homes.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
-    homes.append("/usr/local/cuda")
-    for home in filter(None, homes):
-        if os.path.isfile(os.path.join(home, "include", "cuda_runtime.h")):
-            return os.path.join(home, "include")
-    return None
-
-
-def _compile(cmd, cwd):
-    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, f"{' '.join(map(str, cmd))}\n{res.stdout}{res.stderr}"
-
-
 @pytest.fixture(scope="session")
 def harness(tmp_path_factory):
-    cxx = shlex.split(os.environ.get("CXX", "")) or ([shutil.which("g++")] if shutil.which("g++") else None)
-    if not cxx:
-        pytest.skip("no g++ (nor $CXX) to compile the kernel's host twin")
-    cuda_include = _cuda_include()
-    if cuda_include is None:
-        pytest.skip("no CUDA headers (include/cuda_runtime.h under $CUDA_HOME, $CUDA_PATH, nvcc's toolkit or "
-                    "/usr/local/cuda) for the kernel's host twin")
-    out = tmp_path_factory.mktemp("kernel_twin")
-    # The core's build keeps every float operation rounded on its own, and
-    # the shim's intrinsics are IEEE only when nothing fuses them.
-    common = ["-O1", "-ffp-contract=off", "-fno-math-errno"]
-    # he_adam_make_consts and the he_fail it needs, from the core itself;
-    # a file a call: after "-x c", g++ still compiles a second .c as C++.
-    for source in ("optimizers", "status"):
-        _compile([*cxx, "-x", "c", "-std=c11", *common, f"-I{REPO / 'include'}", f"-I{REPO / 'csrc'}", "-c",
-                  REPO / "csrc" / f"{source}.c", "-o", f"{source}.o"], out)
-    exe = out / "compact_adam"
-    # nvcc's #pragma unroll means nothing to g++; CI's HOSTEMBED_WERROR
-    # holds the twin to the build's rule.
-    warnings = ["-Wall", "-Wextra", "-Wno-unknown-pragmas"]
-    if os.environ.get("HOSTEMBED_WERROR") == "1":
-        warnings.append("-Werror")
-    _compile([*cxx, "-std=c++20", *common, "-pthread", *warnings,
-              f"-I{REPO / 'include'}", f"-I{REPO / 'cuda'}", f"-I{cuda_include}", TWIN / "compact_adam.cpp",
-              "optimizers.o", "status.o", "-o", exe, "-lm"], out)
-    return exe
+    # he_adam_make_consts and the he_fail it needs, from the core itself.
+    return build_twin(tmp_path_factory.mktemp("kernel_twin"), "compact_adam", ("optimizers", "status"))
 
 
 def _states(table, form):

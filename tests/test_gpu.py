@@ -674,7 +674,7 @@ def test_torch_sparse_adam_steps_on_the_cpu_gradient():
 def test_torch_adamw_after_a_plain_swap_steps_a_table_with_gpu_outputs_like_torch():
     # A language model moved to the GPU keeps torch's AdamW over every
     # parameter: the host table's part is the core's dense pass, the
-    # rest torch's on the GPU (benchmarks/lm_step.py --device cuda).
+    # rest torch's on the GPU (benchmarks/clients/lm_step.py --device cuda).
     ref, ours = gpu_pair(500, 16)
     head = torch.nn.Linear(16, 3).cuda()
     ref_head = torch.nn.Linear(16, 3).cuda()

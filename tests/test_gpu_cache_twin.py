@@ -275,3 +275,62 @@ def test_two_host_tensors_written_at_once_are_both_reread():
     cache.plan_batch(unique, 2)
     assert torch.equal(cache.cached["weight"][cache.ops.planner.slots_of(unique).long()], torch.full((2, dim), 3.0))
     assert torch.equal(cache.cached["exp_avg"][cache.ops.planner.slots_of(unique).long()], torch.full((2, dim), 0.5))
+
+
+def _reads_of(cache, batches, tables, states, gen):
+    """The rows of arrays the fetches of `batches` read from host memory."""
+    before = cache.stats["host_reads"]
+    _train_alike(cache, tables, states, batches, gen, False, {})
+    return cache.stats["host_reads"] - before
+
+
+def test_a_fetched_row_whose_state_was_never_written_reads_only_its_weight():
+    """SparseAdam's moments start as zeros: a row fetched for the first
+    time gets zeros for them, unread (one read a row, not three); a row
+    updated in host memory since (bypassed, or evicted) reads them all; a
+    write to the state the cache did not make stops the zeros. Training
+    gives the uncached bits throughout."""
+    rows, dim = 1000, 8
+    gen = torch.Generator().manual_seed(11)
+    tables, states = _pair(rows, dim, gen)
+    cache = GpuRowCache(tables[1], 250, device="cpu")
+    span = lambda a, b: torch.arange(a, b)  # noqa: E731
+    assert _reads_of(cache, [span(0, 100)], tables, states, gen) == 100  # before the state came: the weight
+    assert cache.zero_known == {"exp_avg", "exp_avg_sq"}
+    assert _reads_of(cache, [span(100, 200), span(200, 250)], tables, states, gen) == 150  # new rows: weight only
+    # The cache is full: new rows are turned away, updated in host memory;
+    # used again, they take the least recently used slots and read all three.
+    assert _reads_of(cache, [span(250, 300)], tables, states, gen) == 0
+    assert cache.stats["bypassed"] == 50
+    assert _reads_of(cache, [span(250, 300)], tables, states, gen) == 150
+    assert cache.stats["evictions"] == 50
+    # A write torch sees (the cache written back first): that state is no
+    # longer known, and new rows read it again.
+    cache.flush()
+    for state in states:
+        state["exp_avg_sq"][rows - 1] += 0.0
+    fetches = cache.stats["fetches"]
+    reads = _reads_of(cache, [span(0, 50)], tables, states, gen)  # some evicted rows back: written
+    assert reads == 3 * (cache.stats["fetches"] - fetches) and reads > 0
+    assert cache.zero_known == {"exp_avg"}
+    cache.flush()
+    assert torch.equal(tables[1].tensor, tables[0].tensor)
+    for key in states[0]:
+        assert torch.equal(states[1][key], states[0][key]), key
+
+
+def test_a_state_written_outside_the_cache_is_read_again():
+    rows, dim = 100, 8
+    gen = torch.Generator().manual_seed(12)
+    tables, states = _pair(rows, dim, gen)
+    cache = GpuRowCache(tables[1], 50, device="cpu")
+    _train_alike(cache, tables, states, [torch.arange(0, 10)], gen, False, {})
+    cache.flush()
+    for state in states:
+        state["exp_avg_sq"][rows - 1] += 1.0  # a row never fetched: only a read shows it
+    # New rows, free slots: the weight and exp_avg_sq read, exp_avg (still
+    # all zero where unwritten) not.
+    assert _reads_of(cache, [torch.arange(90, 100)], tables, states, gen) == 20
+    cache.flush()
+    for key in states[0]:
+        assert torch.equal(states[1][key], states[0][key]), key

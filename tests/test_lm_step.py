@@ -1,4 +1,4 @@
-"""benchmarks/lm_step.py at a tiny size: the plain swap trains a small
+"""benchmarks/clients/lm_step.py at a tiny size: the plain swap trains a small
 language model to torch's losses, and hostembed.SparseAdam for an untied
 table to torch's SparseAdam's (the script checks each pair before timing);
 the untied table's gradient is row-sparse where torch's is table-sized."""
@@ -7,7 +7,7 @@ import pathlib
 
 
 def test_lm_step_benchmark_reports_both_ties(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks" / "clients"))
     import lm_step
     out = tmp_path / "lm.json"
     lm_step.main(["--vocabs", "3000", "--hidden", "16", "--tokens", "256", "--warmup", "1", "--rounds", "2",

@@ -21,9 +21,6 @@ still agree: it is ignored by both.
 
 Not covered: the GPU's own rounding of each intrinsic (IEEE by CUDA's
 specification; tests/test_cache_gpu.py runs the kernel on a GPU)."""
-import os
-import shlex
-import shutil
 import struct
 import subprocess
 
@@ -34,31 +31,15 @@ import torch
 from hostembed._core.ops import update as _ops
 from hostembed._core.table import HostTable
 
-from test_compact_kernel_twin import REPO, SLOT_BITS, TWIN, _compile, _cuda_include
+from kernel_twin_build import build_twin
+from test_compact_kernel_twin import SLOT_BITS
 
 KINDS = {"SGD": (_ops.SGD, None), "Adagrad": (_ops.ADAGRAD, "sum"), "RowWiseAdagrad": (_ops.ROWWISE_ADAGRAD, "row_sum")}
 
 
 @pytest.fixture(scope="session")
 def harness(tmp_path_factory):
-    cxx = shlex.split(os.environ.get("CXX", "")) or ([shutil.which("g++")] if shutil.which("g++") else None)
-    if not cxx:
-        pytest.skip("no g++ (nor $CXX) to compile the kernel's host twin")
-    cuda_include = _cuda_include()
-    if cuda_include is None:
-        pytest.skip("no CUDA headers (include/cuda_runtime.h under $CUDA_HOME, $CUDA_PATH, nvcc's toolkit or "
-                    "/usr/local/cuda) for the kernel's host twin")
-    out = tmp_path_factory.mktemp("optim_twin")
-    exe = out / "optim_rows"
-    # Every float operation rounded on its own, as the core's build keeps
-    # them; nvcc's #pragma unroll means nothing to g++.
-    warnings = ["-Wall", "-Wextra", "-Wno-unknown-pragmas"]
-    if os.environ.get("HOSTEMBED_WERROR") == "1":
-        warnings.append("-Werror")
-    _compile([*cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-fno-math-errno", "-pthread", *warnings,
-              f"-I{REPO / 'include'}", f"-I{REPO / 'cuda'}", f"-I{cuda_include}", TWIN / "optim_rows.cpp",
-              "-o", exe, "-lm"], out)
-    return exe
+    return build_twin(tmp_path_factory.mktemp("optim_twin"), "optim_rows")
 
 
 def _part(count, dim, key, gen):

@@ -180,7 +180,7 @@ def test_a_fused_table_and_a_prefetched_batch_keep_the_core(torch_op_calls):
 def test_the_many_tables_benchmark_times_both_kinds_of_module(tmp_path, monkeypatch):
     import json
     import pathlib
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks" / "cpu"))
     import many_tables
     out = tmp_path / "many.json"
     many_tables.main(["--scale", "20000", "--batches", "16", "--steps", "2", "--rounds", "1", "--json", str(out)])

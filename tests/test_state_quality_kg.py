@@ -1,4 +1,4 @@
-"""benchmarks/state_quality.py's knowledge-graph case: its filtered MRR
+"""benchmarks/clients/state_quality.py's knowledge-graph case: its filtered MRR
 against a loop over the definition, its skip where PyKEEN is missing, and
 a --quick run where PyKEEN is installed."""
 import importlib.util
@@ -16,7 +16,7 @@ BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
 
 @pytest.fixture
 def sq(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "clients"))
     import state_quality
     return state_quality
 

@@ -305,7 +305,7 @@ def test_half_tables_take_the_dense_route_with_torchs_results():
 def test_the_ctr_benchmark_checks_and_reports_every_route(tmp_path, monkeypatch):
     import json
     import pathlib
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks" / "clients"))
     import ctr_adam
     out = tmp_path / "ctr.json"
     names = "torch_adam,torch_adam_fused,swap_adam,swap_adam_fused,sparse_adam"
@@ -403,7 +403,7 @@ def test_a_traced_lookup_under_no_grad_reads_the_table():
 def test_the_dlrm_benchmark_checks_and_reports_every_contender(tmp_path, monkeypatch):
     import json
     import pathlib
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks" / "clients"))
     import dlrm_step
     out = tmp_path / "dlrm.json"
     dlrm_step.main(["--rows-scale", "0.001", "--bags", "32", "--rounds", "2", "--json", str(out)])

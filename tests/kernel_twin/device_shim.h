@@ -74,21 +74,42 @@ struct he_shim_warp {
 
 inline thread_local he_shim_warp *he_shim_my_warp;
 
-/* Every lane must call it (a full mask), as on the GPU: a lane that never
- * arrives leaves the others waiting, which the caller's timeout reports. */
-static inline unsigned __reduce_max_sync(unsigned mask, unsigned value)
+/* A warp's reduction of its 32 lanes' values by `combine`. Every lane
+ * must call it (a full mask), as on the GPU: a lane that never arrives
+ * leaves the others waiting, which the caller's timeout reports. */
+template <typename Combine>
+static inline unsigned he_shim_reduce(unsigned mask, unsigned value, unsigned start, Combine combine)
 {
     if (mask != 0xFFFFFFFFu)
         std::abort(); /* the barrier counts all 32 lanes */
     he_shim_warp &w = *he_shim_my_warp;
     w.value[threadIdx.x % 32] = value;
     w.meet.arrive_and_wait();
-    unsigned most = 0;
+    unsigned out = start;
     for (unsigned v : w.value)
-        most = v > most ? v : most;
+        out = combine(out, v);
     /* No lane writes its next reduction's value before every lane read this one's. */
     w.meet.arrive_and_wait();
-    return most;
+    return out;
+}
+
+static inline unsigned __reduce_max_sync(unsigned mask, unsigned value)
+{
+    return he_shim_reduce(mask, value, 0u, [](unsigned a, unsigned b) { return a > b ? a : b; });
+}
+
+static inline unsigned __reduce_min_sync(unsigned mask, unsigned value)
+{
+    return he_shim_reduce(mask, value, ~0u, [](unsigned a, unsigned b) { return a < b ? a : b; });
+}
+
+static inline unsigned long long atomicMin(unsigned long long *address, unsigned long long value)
+{
+    unsigned long long seen = __atomic_load_n(address, __ATOMIC_RELAXED);
+    while (value < seen && !__atomic_compare_exchange_n(address, &seen, value, true, __ATOMIC_RELAXED,
+                                                        __ATOMIC_RELAXED))
+        ;
+    return seen;
 }
 
 /* Lane (l ^ lane_mask)'s value within l's segment of `width` lanes (a

@@ -48,6 +48,16 @@ def _words(records):
     return records[:1].nbytes // 4 if records.dim() > 1 else 1
 
 
+def _all_zero_bits(tensor, rows_at_once=1 << 16):
+    """Whether every bit of `tensor` is zero (new state; -0.0 is not),
+    reading it a chunk of rows at a time and stopping at the first set."""
+    flat = tensor.reshape(tensor.shape[0], -1) if tensor.dim() else tensor.reshape(1, 1)
+    for at in range(0, flat.shape[0], rows_at_once):
+        if flat[at:at + rows_at_once].contiguous().view(torch.uint8).any():
+            return False
+    return True
+
+
 def _compact_state(arrays):
     """update_ops' compact state over (weight, exp_avg, exp_avg_sq[, their
     scales]), rounded to nearest."""
@@ -95,6 +105,10 @@ class HostTwinState:
         self.planner = CachePlanner(table.num_rows, capacity, lookahead=protect == 2, policy=policy)
         self.row_of = torch.full((capacity,), -1, dtype=torch.int64)
         self.record_table = None  # set by the cache: the HostTable of its records
+        # As GpuCacheState's: rows whose host state may have changed since
+        # it came to the cache, and the rows of arrays the moves read.
+        self.written = torch.zeros(table.num_rows, dtype=torch.bool)
+        self.host_reads = 0
 
     def plan(self, unique: Tensor, n: int) -> CachePlanOnDevice:
         unique = unique[:n]
@@ -109,12 +123,19 @@ class HostTwinState:
         self.row_of[p.fetch_slot.long()] = p.fetch_row
         return CachePlanOnDevice(p.slot, miss, evict_row)
 
-    def move(self, plan, unique, n, records, hosts, dim):
+    def move(self, plan, unique, n, records, hosts, dim, zero_fill=0):
+        rows = unique[plan.miss]
         slot = plan.slot[plan.miss].long()
         evicting, taken = plan.evict_row >= 0, slot >= 0
-        for record, host in zip(records, hosts):
+        self.written[rows[~taken]] = True  # bypassed: updated in host memory
+        fresh = taken & ~self.written[rows]
+        for i, (record, host) in enumerate(zip(records, hosts)):
             host[plan.evict_row[evicting]] = record[slot[evicting]]
-            record[slot[taken]] = host[unique[plan.miss[taken]]]
+            read = taken & ~fresh if zero_fill >> i & 1 else taken
+            record[slot[taken & ~read]] = 0
+            record[slot[read]] = host[rows[read]]
+            self.host_reads += int(read.sum())
+        self.written[plan.evict_row[evicting]] = True
 
     def gather(self, records, host, plan, unique, n, dim):
         slot = plan.slot.long()
@@ -151,6 +172,8 @@ class HostTwinState:
     def sync_records(self, records, hosts, dim, *, to_host):
         slots = (self.row_of >= 0).nonzero().view(-1)
         rows = self.row_of[slots]
+        if to_host:
+            self.written[rows] = True
         for record, host in zip(records, hosts):
             if to_host:
                 host[rows] = record[slots]
@@ -164,7 +187,8 @@ class HostTwinState:
         if snapshot is not None:
             return snapshot
         stats = dict(self.planner.stats)
-        return {k: stats[k] for k in ("batches", "rows", "hits", "fetches", "evictions", "bypassed")}
+        return {**{k: stats[k] for k in ("batches", "rows", "hits", "fetches", "evictions", "bypassed")},
+                "host_reads": self.host_reads}
 
     def occupied(self) -> int:
         return int((self.row_of >= 0).sum())
@@ -201,6 +225,9 @@ class GpuRowCache(RowCache):
             self.ops.record_table = self.records
         self.version = {"weight": table.tensor._version}
         self.dirty, self.stale = set(), set()
+        # State keys whose host tensor held all zero bits when attached (the
+        # fetches' zero_fill; the ops mark rows written since).
+        self.zero_known = set()
         # Bytes moved: written back by flushes, and the record's size from
         # each snapshot of the counts on (a record grows when state is
         # attached), read only when stats are (the counts are on the device).
@@ -259,17 +286,21 @@ class GpuRowCache(RowCache):
         return records.view(torch.float32)
 
     def _word_groups(self, keys):
-        """(records, hosts, width) for the moves of `keys`' records: the
-        kernels move rows of float32 words, so records are grouped by their
-        row's width in words (a compact state's codes and scales are bits to
-        them), at most _MOVED_AT_ONCE a group."""
+        """(records, hosts, width, zero_fill) for the moves of `keys`'
+        records: the kernels move rows of float32 words, so records are
+        grouped by their row's width in words (a compact state's codes and
+        scales are bits to them), at most _MOVED_AT_ONCE a group; bit i of
+        zero_fill set where the group's i-th array was all zero bits when it
+        came to the cache (a row not written since is fetched as zeros)."""
         groups = {}
         for key in keys:
             groups.setdefault(_words(self.cached[key]), []).append(key)
         for width, group in groups.items():
             for at in range(0, len(group), _MOVED_AT_ONCE):
                 part = group[at:at + _MOVED_AT_ONCE]
-                yield [self._as_words(self.cached[k]) for k in part], [self._host_of(self.host[k]) for k in part], width
+                zero_fill = sum(1 << i for i, k in enumerate(part) if k in self.zero_known)
+                yield ([self._as_words(self.cached[k]) for k in part], [self._host_of(self.host[k]) for k in part],
+                       width, zero_fill)
 
     def _host_memory_next(self):
         """Before the ops read or write host memory: after any GPU work on
@@ -293,11 +324,23 @@ class GpuRowCache(RowCache):
         self.ops.sync_records([self._as_words(records)], [self._host_of(host)], _words(records), to_host=False)
         if self.device.type == "cuda":
             self.table.record_gpu_use(torch.cuda.current_stream(self.device))
+        # Read again: host memory was written where the cache did not see it.
+        self.zero_known -= {k for k, h in self.host.items() if h is host}
 
     def attach_state(self, key, host_tensor):
         records = super().attach_state(key, host_tensor)
         self._record_sizes.append((self.ops.snapshot(), self._record_bytes()))
+        if _all_zero_bits(host_tensor):  # new state: its rows need not be read until written
+            self.zero_known.add(key)
         return records
+
+    def detach_state(self) -> None:
+        super().detach_state()
+        self.zero_known.clear()
+
+    def host_rows_written(self, key: str, rows: Tensor) -> None:
+        self.zero_known.discard(key)
+        super().host_rows_written(key, rows)
 
     def note_distinct(self, indices: Tensor) -> None:
         """indices (a backward's unique rows, on the device) will come back to
@@ -316,8 +359,8 @@ class GpuRowCache(RowCache):
         self._sync()
         self._host_memory_next()
         plan = self.ops.plan(unique, n)
-        for records, hosts, width in self._word_groups(list(self.host)):
-            self.ops.move(plan, unique, n, records, hosts, width)
+        for records, hosts, width, zero_fill in self._word_groups(list(self.host)):
+            self.ops.move(plan, unique, n, records, hosts, width, zero_fill)
         self._host_memory_used()
         return plan
 
@@ -411,7 +454,7 @@ class GpuRowCache(RowCache):
         todo = [k for k in (self.host if keys is None else keys) if k in self.dirty]
         if todo:
             self._host_memory_next()
-            for records, hosts, width in self._word_groups(todo):
+            for records, hosts, width, _ in self._word_groups(todo):
                 self.ops.sync_records(records, hosts, width, to_host=True)
             self.host_waits += 1
             if self.device.type == "cuda":

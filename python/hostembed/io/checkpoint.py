@@ -169,7 +169,7 @@ def _free_space(directory):
 def _save_without_crc(obj, path):
     # torch.save checksums every record by default, single-threaded, which
     # halves the write rate of a table-sized checkpoint (see
-    # benchmarks/load_save.py). The checksum is not needed for integrity
+    # benchmarks/cpu/load_save.py). The checksum is not needed for integrity
     # here (the rename makes a checkpoint whole or absent) and torch.load
     # does not check it.
     get = getattr(torch.serialization, "get_crc32_options", None)

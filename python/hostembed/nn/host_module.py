@@ -221,7 +221,10 @@ class HostTableModule:
         cache): batches; rows (unique rows looked up), hits (found in the
         cache), fetches (misses brought in), bypassed (misses read and
         updated in host memory); evictions; fetched_bytes and
-        written_back_bytes (records moved: a row and its optimizer state)."""
+        written_back_bytes (records moved: a row and its optimizer state);
+        with the records in GPU memory also host_reads (rows of the weight
+        and of each state tensor the fetches read over PCIe: a row whose
+        state was never written is given zeros for it, unread)."""
         cache = self._table.cache
         return None if cache is None else cache.stats
 

@@ -75,8 +75,9 @@ class StateForm:
         if dtype == torch.float16:
             warnings.warn(f"{where}: float16 state underflows squared gradients under about 2.4e-4 (Adam's "
                           "exp_avg_sq takes a thousandth of them: gradients under 8e-3) to 0, and the step then "
-                          "divides by eps; training diverged with it on every model benchmarks/state_quality.py "
-                          "trains. Use torch.bfloat16 (float32's range) or torch.int8", UserWarning, stacklevel=3)
+                          "divides by eps; training diverged with it on every model "
+                          "benchmarks/clients/state_quality.py trains. Use torch.bfloat16 (float32's range) or "
+                          "torch.int8", UserWarning, stacklevel=3)
         self.dtype, self.rounding = dtype, rounding
 
     @property

@@ -279,7 +279,7 @@ _lookup_eager = applier(_LookupEager)
 # autograd node makes its row-sparse gradient, which hostembed's
 # optimizers take as they take the core's (they sum repeated rows). Below
 # it the core's threads and dedup do not pay for a Python autograd
-# Function's fixed cost; above it they do. benchmarks/per_call.py's
+# Function's fixed cost; above it they do. benchmarks/cpu/per_call.py's
 # SparseAdam step (2M x 64, uniform ids, 2 threads, 2026-11-26): torch's
 # op ahead at 2,048 ids (348 us against 405), the two within 11% at 8,192
 # and level at 16,384 and 65,536 (README, One lookup call).

@@ -19,7 +19,7 @@ from .common import address
 # span of include/he_cache_policy.h, 3).
 _COUNTERS = ("hand", "base", "misses", "stop", "batches", "rows", "hits", "fetches", "evictions", "window",
              "window_hand", "eligible", "back", "turned", "least", "reuse", "main", "recent0", "recent1", "recent2",
-             "taken")
+             "taken", "host_reads")
 
 
 class CachePlanOnDevice(NamedTuple):
@@ -57,6 +57,9 @@ class GpuCacheState:
         self.referenced = torch.zeros(capacity, dtype=torch.uint8, **on)
         self.counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, **on)
         self.batch = 0  # batches planned; the host counts them, so it knows when the counts age
+        # A byte a row: its host state may differ from what it was when the
+        # state came to the cache (the moves' zero_fill).
+        self.written = torch.zeros(max(num_rows, 1), dtype=torch.uint8, **on)
         if policy not in POLICIES:
             raise ValueError(f"hostembed: a cache policy is one of {sorted(POLICIES)}, got {policy!r}")
         self.policy = policy
@@ -93,12 +96,17 @@ class GpuCacheState:
         self.batch += 1
         return plan
 
-    def move(self, plan: CachePlanOnDevice, unique: Tensor, n: int, records, hosts, dim: int) -> None:
+    def move(self, plan: CachePlanOnDevice, unique: Tensor, n: int, records, hosts, dim: int,
+             zero_fill: int = 0) -> None:
         """The plan's write-backs and fetches, for each records tensor and
-        the registered HostBuffer of the rows it caches."""
+        the registered HostBuffer of the rows it caches; rows bypassed or
+        written back are marked written, and a fetched row not written since
+        its state came gets zeros, unread, for the arrays of the zero_fill
+        bits (cuda/he_cuda.h)."""
         _C.cuda_cache_move(cache=self._cache(), records=tuple(address(r) for r in records), host=tuple(hosts),
                            dim=dim, unique=address(unique), n=n, slot=address(plan.slot), miss=address(plan.miss),
-                           evict_row=address(plan.evict_row), device=self.device.index, stream=_stream(self.device))
+                           evict_row=address(plan.evict_row), written=address(self.written), zero_fill=zero_fill,
+                           device=self.device.index, stream=_stream(self.device))
 
     def gather(self, records: Tensor, host, plan: CachePlanOnDevice, unique: Tensor, n: int, dim: int) -> Tensor:
         """unique[:n]'s rows, from their slots or over the mapping."""
@@ -151,8 +159,8 @@ class GpuCacheState:
     def sync_records(self, records, hosts, dim: int, *, to_host: bool) -> None:
         """Every occupied slot's records written to (or read from) its host rows."""
         _C.cuda_cache_sync_records(cache=self._cache(), records=tuple(address(r) for r in records),
-                                   host=tuple(hosts), dim=dim, to_host=to_host, device=self.device.index,
-                                   stream=_stream(self.device))
+                                   host=tuple(hosts), dim=dim, to_host=to_host, written=address(self.written),
+                                   device=self.device.index, stream=_stream(self.device))
 
     def snapshot(self) -> Tensor:
         """The counts now, kept on the device for counts() (no wait)."""
@@ -164,7 +172,7 @@ class GpuCacheState:
         values = dict(zip(_COUNTERS, (self.counters if snapshot is None else snapshot).tolist()))
         return {"batches": values["batches"], "rows": values["rows"], "hits": values["hits"],
                 "fetches": values["fetches"], "evictions": values["evictions"],
-                "bypassed": values["rows"] - values["hits"] - values["fetches"]}
+                "bypassed": values["rows"] - values["hits"] - values["fetches"], "host_reads": values["host_reads"]}
 
     def occupied(self) -> int:
         """Slots holding a row (waits for the device)."""

@@ -11,7 +11,7 @@ with float32 state's:
   dlrm    DLRM-style: six EmbeddingBag(mode="sum") tables of different sizes,
           bags of 3 Zipf ids, dense features through a bottom MLP, pairwise
           dot interaction, top MLP
-  deepfm  benchmarks/ctr_adam.py's CTRModel and data (fields sharing a factor
+  deepfm  benchmarks/clients/ctr_adam.py's CTRModel and data (fields sharing a factor
           table and a first-order table, FM term + MLP)
   kg_umls, kg_nations, kg_kinships
           DistMult (score = sum(e_h * w_r * e_t)) on UMLS (135 entities, 46
@@ -69,10 +69,10 @@ lets the coordinates with the largest gradients take the norm from the
 others, and each entity and relation ends up on a few coordinates
 (--kg-diagnostics prints it).
 
-    PYTHONPATH=python python benchmarks/state_quality.py              # ~9 min on 2 vCPUs
-    PYTHONPATH=python python benchmarks/state_quality.py --quick      # < 1 min smoke test
-    PYTHONPATH=python python benchmarks/state_quality.py --models dlrm --forms fp32,int8 --seeds 5
-    PYTHONPATH=python python benchmarks/state_quality.py --models kg_umls,kg_nations,kg_kinships \
+    PYTHONPATH=python python benchmarks/clients/state_quality.py              # ~9 min on 2 vCPUs
+    PYTHONPATH=python python benchmarks/clients/state_quality.py --quick      # < 1 min smoke test
+    PYTHONPATH=python python benchmarks/clients/state_quality.py --models dlrm --forms fp32,int8 --seeds 5
+    PYTHONPATH=python python benchmarks/clients/state_quality.py --models kg_umls,kg_nations,kg_kinships \
         --forms fp32,bf16_state,int8,rowwise,bf16_table_int8_rowwise --kg-diagnostics --threads 1   # ~2 min
     (the graphs' steps are tiny: on busy cores, --threads 1 runs them ~10x faster)
 """
@@ -90,12 +90,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import REPO_ROOT, RESULTS_DIR, ZipfIds, log, machine_info, require_hostembed, usable_cpus  # noqa: E402
 from _common import write_json, write_plots  # noqa: E402
 
 hostembed = require_hostembed()
-import compare  # noqa: E402  (RecModel, make_batches, seeded_mlp)
+from _compare import workload as compare  # noqa: E402  (compare.py's RecModel, make_batches, seeded_mlp)
 import ctr_adam  # noqa: E402  (CTRModel, make_data, auc)
 
 F32, BF16, I8 = torch.float32, torch.bfloat16, torch.int8

@@ -15,7 +15,7 @@ least any row-sharded lookup sends), and the peak RSS of all the processes
 together against one table with its optimizer state. Threads: the machine's CPUs
 split between the processes.
 
-    python benchmarks/sharded_step.py [--procs 1,2,4 --rows 2000000 --batch 65536]
+    python benchmarks/distributed/sharded_step.py [--procs 1,2,4 --rows 2000000 --batch 65536]
 """
 import argparse
 import datetime
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import (GIB, RESULTS_DIR, OtherLoad, _vm_hwm_bytes, add_sharded_workload_args,  # noqa: E402
                      fmt_gib, log, machine_info, require_hostembed, sharded_global_batches, summarize_ms, usable_cpus,
                      write_json)

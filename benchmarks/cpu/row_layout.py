@@ -11,7 +11,7 @@ writes 1,536 bytes in three places (float32 moments, D=128) or 776 bytes in
 five (8-bit codes and two scales), where a record is one place.
 
 Usage:
-    python benchmarks/row_layout.py [--rows 2000000 --dim 128 --nnz 14200 --rounds 21]
+    python benchmarks/cpu/row_layout.py [--rows 2000000 --dim 128 --nnz 14200 --rounds 21]
 """
 import argparse
 import glob
@@ -20,11 +20,14 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 
-from _common import OtherLoad, RESULTS_DIR, copy_bandwidth, log, machine_info, usable_cpus, write_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
+from _common import (REPO_ROOT, OtherLoad, RESULTS_DIR, copy_bandwidth, log, machine_info, usable_cpus,  # noqa: E402
+                     write_json)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "row_layout_driver.c")
 # setup.py's CFLAGS for the core (and OpenMP, as the extension links it where the compiler has it).
 CFLAGS = ["-std=c11", "-O3", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 
@@ -32,9 +35,9 @@ CFLAGS = ["-std=c11", "-O3", "-pthread", "-ffp-contract=off", "-fno-math-errno",
 def build(out_dir):
     cc = os.environ.get("CC") or shutil.which("cc") or "gcc"
     exe = os.path.join(out_dir, "row_layout_driver")
-    sources = sorted(glob.glob(os.path.join(REPO, "csrc", "*.c")))
-    subprocess.run([cc, *CFLAGS, "-I", os.path.join(REPO, "csrc"), "-I", os.path.join(REPO, "include"),
-                    os.path.join(REPO, "benchmarks", "row_layout_driver.c"), *sources, "-o", exe, "-lm"], check=True)
+    sources = sorted(glob.glob(os.path.join(REPO_ROOT, "csrc", "*.c")))
+    subprocess.run([cc, *CFLAGS, "-I", os.path.join(REPO_ROOT, "csrc"), "-I", os.path.join(REPO_ROOT, "include"),
+                    DRIVER, *sources, "-o", exe, "-lm"], check=True)
     return exe
 
 

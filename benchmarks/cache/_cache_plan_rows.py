@@ -1,4 +1,4 @@
-"""benchmarks/cache_plan.py's reports as result rows (benchmarks/_common.py's
+"""benchmarks/cache/cache_plan.py's reports as result rows (benchmarks/_common.py's
 schema): what the benchmark writes after a run, and what
 benchmarks/recover_rows.py makes of a run's JSON kept from before."""
 from _common import make_row

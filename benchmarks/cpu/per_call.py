@@ -15,8 +15,8 @@ which is where the crossover between the paths is decided: torch's
 backward leaves a row a position for the optimizer to sum, the core's
 sums them in backward.
 
-    python benchmarks/per_call.py                       # 2M x 64, 512 .. 1M ids
-    python benchmarks/per_call.py --sizes 512,8192 --rounds 50
+    python benchmarks/cpu/per_call.py                       # 2M x 64, 512 .. 1M ids
+    python benchmarks/cpu/per_call.py --sizes 512,8192 --rounds 50
 """
 import argparse
 import os
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import RESULTS_DIR, OtherLoad, fail, log, machine_info, require_hostembed, usable_cpus, write_json  # noqa: E402
 
 hostembed = require_hostembed()

@@ -13,18 +13,20 @@ would find them in the cache (65,536 rows of D = 16 are 4 MiB). These are
 memory-bound figures, compared with a memory-bound ceiling.
 
 Usage (after `pip install .`, or an in-place build with PYTHONPATH=python):
-    python benchmarks/micro.py [--dims 16,32,64 --unique 1000,10000 ...]
+    python benchmarks/cpu/micro.py [--dims 16,32,64 --unique 1000,10000 ...]
 """
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from _common import (GIB, RESULTS_DIR, copy_bandwidth, fmt_ms, log, machine_info, progress, require_hostembed,
-                     synchronize, usable_cpus, write_json, write_plots)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
+from _common import (GIB, RESULTS_DIR, copy_bandwidth, fmt_ms, log, machine_info, progress,  # noqa: E402
+                     require_hostembed, synchronize, usable_cpus, write_json, write_plots)
 
 hostembed = require_hostembed()
 

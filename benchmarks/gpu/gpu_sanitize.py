@@ -1,7 +1,7 @@
 """A small workload over every GPU kernel, for compute-sanitizer.
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \\
-        python3 benchmarks/gpu_sanitize.py
+        python3 benchmarks/gpu/gpu_sanitize.py
 
 Without torch's caching allocator every workspace and output is its own
 cudaMalloc, so memcheck sees an access one element past any of them. Covers
@@ -36,6 +36,9 @@ def zipf(num_rows, count, gen):
 
 
 def main():
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     if not hostembed.cuda_available():
         sys.exit(f"gpu_sanitize.py: the GPU path cannot run here: {hostembed._core.cuda.unavailable_reason()}")
     gen = torch.Generator().manual_seed(0)

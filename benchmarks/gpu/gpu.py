@@ -16,7 +16,7 @@ Every figure is checked first: the gather against the table's rows, and
 (d)'s hostembed against torch after a few steps from the same table.
 
 Usage (on a machine with a GPU, after `pip install .` or an in-place build with PYTHONPATH=python):
-    python benchmarks/gpu.py [--rows 60000000 --steps 20 ...]
+    python benchmarks/gpu/gpu.py [--rows 60000000 --steps 20 ...]
 """
 import argparse
 import gc
@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from _common import (GIB, RESULTS_DIR, ZipfIds, fail, fmt_ms, log, machine_info, mem_available_bytes,
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
+from _common import (GIB, RESULTS_DIR, ZipfIds, fail, fmt_ms, log, machine_info, mem_available_bytes,  # noqa: E402
                      require_hostembed, summarize_ms, write_json)
 
 hostembed = require_hostembed()
@@ -384,7 +385,7 @@ def main(argv=None):
     args = parse_args(argv)
     if not hostembed.cuda_available():
         from hostembed._core.cuda import unavailable_reason
-        sys.exit(f"benchmarks/gpu.py: the GPU path cannot run here: {unavailable_reason()}")
+        sys.exit(f"benchmarks/gpu/gpu.py: the GPU path cannot run here: {unavailable_reason()}")
     report = {"machine": machine_info(), "args": {k: (sorted(v) if isinstance(v, set) else v)
                                                    for k, v in vars(args).items()}}
     ceil = None

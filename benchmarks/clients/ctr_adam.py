@@ -26,9 +26,9 @@ float32 error of a float64 run, see tests/test_torch_optimizers.py).
 Then each trains one epoch of a synthetic data set with a learnable signal
 and reports the held-out AUC.
 
-    python benchmarks/ctr_adam.py                     # 2.7M rows, batch 2048
-    python benchmarks/ctr_adam.py --batch 256
-    python benchmarks/ctr_adam.py --rows 20000 --epoch-batches 5 --rounds 2   # a quick look
+    python benchmarks/clients/ctr_adam.py                     # 2.7M rows, batch 2048
+    python benchmarks/clients/ctr_adam.py --batch 256
+    python benchmarks/clients/ctr_adam.py --rows 20000 --epoch-batches 5 --rounds 2   # a quick look
 """
 import argparse
 import os
@@ -38,7 +38,7 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import (OtherLoad, PeakRss, RESULTS_DIR, _vm_hwm_bytes, copy_bandwidth, fmt_ms, log,  # noqa: E402
                      machine_info, require_hostembed, summarize_ms, usable_cpus, write_json)
 

@@ -12,16 +12,18 @@ and a row cache's records move to host memory), the set-ups fused and
 cache only.
 
 Usage (on a machine with a GPU):
-    python benchmarks/gpu_profile.py [--rows 20000000 --batch 1048570 --steps 4]
+    python benchmarks/gpu/gpu_profile.py [--rows 20000000 --batch 1048570 --steps 4]
 """
 import argparse
+import os
 import sys
 
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from _common import ZipfIds, log, require_hostembed
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
+from _common import ZipfIds, log, require_hostembed  # noqa: E402
 
 hostembed = require_hostembed()
 from hostembed.nn.host_module import UNINITIALISED  # noqa: E402  (after the build check above)
@@ -54,7 +56,7 @@ def main(argv=None):
     args = parse_args(argv)
     if not hostembed.cuda_available():
         from hostembed._core.cuda import unavailable_reason
-        sys.exit(f"benchmarks/gpu_profile.py: the GPU path cannot run here: {unavailable_reason()}")
+        sys.exit(f"benchmarks/gpu/gpu_profile.py: the GPU path cannot run here: {unavailable_reason()}")
     device = torch.device("cuda")
     draw = ZipfIds(args.rows, args.alpha, np.random.default_rng(0))
     batches = [draw.draw(args.batch).to(device) for _ in range(args.stream)]

@@ -23,17 +23,20 @@ table alive at once and timed in interleaved rounds (rotated order),
 medians; the bytes of weight and state a step reads and writes per form,
 and the host copy bandwidth measured in the same run for scale.
 
-    python benchmarks/state_step.py
-    python benchmarks/state_step.py --rows 200000 --rounds 3   # a quick look
+    python benchmarks/cpu/state_step.py
+    python benchmarks/cpu/state_step.py --rows 200000 --rounds 3   # a quick look
 """
 import argparse
 import gc
+import os
+import sys
 import time
 
 import torch
 
-from _common import (RESULTS_DIR, OtherLoad, copy_bandwidth, fmt_ms, log, machine_info, require_hostembed,
-                     summarize_ms, usable_cpus, write_json, zipf_batches)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
+from _common import (RESULTS_DIR, OtherLoad, copy_bandwidth, fmt_ms, log, machine_info,  # noqa: E402
+                     require_hostembed, summarize_ms, usable_cpus, write_json, zipf_batches)
 
 hostembed = require_hostembed()
 

@@ -24,17 +24,20 @@ torch SparseAdam: the same initial table and the same first batches must give
 the same weights.
 
 Usage (after `pip install .`, or an in-place build with PYTHONPATH=python):
-    python benchmarks/cpu_step.py [--rows 2000000 --dim 128 ...]
+    python benchmarks/cpu/cpu_step.py [--rows 2000000 --dim 128 ...]
 """
 import argparse
 import gc
 import os
+import sys
 import time
 
 import torch
 
-from _common import (DENSE_ADAM_WARMUP, GIB, RESULTS_DIR, OtherLoad, PeakRss, copy_bandwidth, fail, fmt_ms, log,
-                     machine_info, progress, require_hostembed, summarize_ms, usable_cpus, write_json, zipf_batches)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
+from _common import (DENSE_ADAM_WARMUP, GIB, RESULTS_DIR, OtherLoad, PeakRss, copy_bandwidth, fail,  # noqa: E402
+                     fmt_ms, log, machine_info, progress, require_hostembed, summarize_ms, usable_cpus, write_json,
+                     zipf_batches)
 
 hostembed = require_hostembed()
 

@@ -19,7 +19,7 @@ Peak RSS is reported above the process's baseline after `import torch,
 hostembed` (stated separately), in units of the table's bytes.
 
 Usage (after `pip install .`, or an in-place build with PYTHONPATH=python):
-    python benchmarks/load_save.py [--table-gib 4 --dir /tmp/x]
+    python benchmarks/cpu/load_save.py [--table-gib 4 --dir /tmp/x]
 """
 import argparse
 import json
@@ -33,7 +33,8 @@ import time
 
 import torch
 
-from _common import GIB, RESULTS_DIR, PeakRss, log, machine_info, require_hostembed, write_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
+from _common import GIB, RESULTS_DIR, PeakRss, log, machine_info, require_hostembed, write_json  # noqa: E402
 
 BUFFER = 64 << 20
 FORMATS = {"pt": ".pt", "safetensors": ".safetensors", "npy": ".npy", "safetensors16": ".fp16.safetensors"}

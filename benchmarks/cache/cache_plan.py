@@ -24,7 +24,7 @@ the timed batches:
 No GPU is used: the planner runs on the host, ahead of the device work.
 
 With --protocol (dynamicemb, fbgemm, fresh, replayed; a comma list runs
-several) the stream is instead an anchor's (benchmarks/_anchor_streams.py,
+several) the stream is instead an anchor's (benchmarks/cache/_anchor_streams.py,
 at --scale of its rows and ids a step; dynamicemb with --tables tables
 folded, one by default), planned in its own order (warm-up batches, then
 the timed ones), and the report is the policy's distance from what a cache
@@ -34,7 +34,7 @@ use (on FBGEMM's stream also of its top ranks by the generator's law), of
 Belady's optimum with bypass, and of candidate policies replayed in numpy
 ("simulated" rows; --candidates picks them by index, "none" skips them),
 planned a step ahead (--protect 2, as hostembed's modules plan) unless
---protect 1. benchmarks/_cache_oracles.py defines the oracles and the
+--protect 1. benchmarks/cache/_cache_oracles.py defines the oracles and the
 simulator; the simulator of the shipped policy makes the planner's
 decisions exactly (tests/test_cache_plan_oracles.py). The static cache
 holds its rows from the start, so on streams of new rows it can beat
@@ -42,17 +42,19 @@ Belady's optimum (which starts empty): it is a bound for a replayed
 stream, a yardstick for the others.
 
 Usage (after `pip install .`):
-    python benchmarks/cache_plan.py [--rows 60000000 --fractions 1,0.8,0.2,0.05 ...]
-    python benchmarks/cache_plan.py --protocol dynamicemb,fbgemm [--scale 0.05 --lookahead]
+    python benchmarks/cache/cache_plan.py [--rows 60000000 --fractions 1,0.8,0.2,0.05 ...]
+    python benchmarks/cache/cache_plan.py --protocol dynamicemb,fbgemm [--scale 0.05 --lookahead]
 """
 import argparse
 import os
+import sys
 import time
 
 import numpy as np
 import torch
 
-import _cache_oracles as oracles
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
+import _cache_oracles as oracles  # noqa: E402
 from _cache_plan_rows import policy_rows, reference_rows
 from _common import (RESULTS_DIR, ZipfIds, fmt_ms, log, machine_info, require_hostembed, run_context, summarize_ms,
                      write_json, write_rows)
@@ -62,7 +64,7 @@ from hostembed._core import _C  # noqa: E402  (after the build check above)
 from hostembed._core.ops.cache_plan import CachePlanner  # noqa: E402
 
 STATE_ROWS = 2  # SparseAdam: exp_avg, exp_avg_sq
-# --protocol's cache sizes: the anchors' own (benchmarks/cache_step.py)
+# --protocol's cache sizes: the anchors' own (benchmarks/gpu/cache_step.py)
 # and the sizes the policy's problem was measured at.
 PROTOCOL_FRACTIONS = {"dynamicemb": "0.8,0.5,0.2", "fbgemm": "0.2,0.05", "fresh": "0.8,0.5,0.2,0.05",
                       "replayed": "0.8,0.5,0.2,0.05"}

@@ -8,7 +8,7 @@ differ fails without a GPU. tests/fixtures/gpu_cache_plans.pt holds the
 clock policy's (CONFIGS, recorded on an H200 on 2026-11-26); the frequency
 policy's (FREQUENCY_CONFIGS) wait for a GPU to record them.
 
-    python benchmarks/cache_plan_record.py OUT.pt     # a GPU: record and compare
+    python benchmarks/cache/cache_plan_record.py OUT.pt     # a GPU: record and compare
 """
 import sys
 
@@ -101,6 +101,9 @@ def differences(a, b):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if argv in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     if len(argv) != 1:
         sys.exit(__doc__)
     recorded = []

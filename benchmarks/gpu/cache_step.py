@@ -5,7 +5,7 @@ the host's waits for the device, without a cache and with caches of
 several sizes, for float32 and compact optimizer state.
 
 Protocols (--protocols; the streams and where each was read from are in
-benchmarks/_anchor_streams.py):
+benchmarks/cache/_anchor_streams.py):
   dynamicemb  NVIDIA dynamicemb's caching benchmark: 10 tables, 104,857
               PowerLaw(1.05) ids each a step, 100 batches drawn once, an
               untimed pass, then the timed pass over the same 100; Adam;
@@ -38,14 +38,17 @@ JSON (--json; default benchmarks/results/<device>-<date>/cache_protocols.json):
 a list of rows {"protocol", "cache" (fraction; 0 for none), "state",
 "optimizer", "ms_per_step" (median), "mean_ms", "device", "date", the
 phases, hit rate, waits, the record bytes the cache counts it moved
-("record_bytes_moved_per_step"), the cache's records as allocated
+("record_bytes_moved_per_step"), with the records in GPU memory the rows of
+the weight and state its fetches read over PCIe, a fetch
+("host_reads_per_fetch": a fetched row whose state was never written reads
+its weight alone), the cache's records as allocated
 ("cache_records_allocated_bytes", "cache_bytes_per_row",
 "cache_rows_per_gib"), and figures from a formula, named *_modelled: a
 record's bytes, the bytes of bypassed rows (every row, without a cache),
 the PCIe total and the minimum}. No byte is measured on the bus.
 
 Usage (after `pip install .`; a GPU for the real figures):
-    python benchmarks/cache_step.py [--protocols dynamicemb,fbgemm,fresh,replayed --states float32,int8]
+    python benchmarks/gpu/cache_step.py [--protocols dynamicemb,fbgemm,fresh,replayed --states float32,int8]
 On the CPU (--device cpu, with --scale 0.001 or so) the records are host
 memory: a check of the harness, not a figure to compare.
 """
@@ -55,12 +58,15 @@ import gc
 import json
 import os
 import re
+import sys
 import time
 
 import numpy as np
 import torch
 
-import _anchor_streams as streams
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
+sys.path.insert(0, os.path.join(sys.path[0], "cache"))  # benchmarks/cache/: _anchor_streams
+import _anchor_streams as streams  # noqa: E402
 from _common import RESULTS_DIR, fail, log, machine_info, require_hostembed, write_json
 
 hostembed = require_hostembed()
@@ -434,6 +440,12 @@ def measure(w, optimizer, state, args, device, today):
             moved = stats["fetched_bytes"] + stats["written_back_bytes"]
             row.update(hit_rate=stats["hits"] / max(stats["rows"], 1), bypassed_per_step=stats["bypassed"],
                        records_on=str(cache.device), record_bytes_moved_per_step=moved, stats=stats)
+            # Counted by the GPU cache's moves: rows of the weight and state
+            # read over PCIe a fetched record (its state zeros, unread, where
+            # never written).
+            if "host_reads" in stats and stats["fetches"]:
+                row["host_reads_per_fetch"] = stats["host_reads"] / stats["fetches"]
+        row.setdefault("host_reads_per_fetch", None)
         bypass = row["bypassed_per_step"] * (weight_bytes + 2 * record)
         row["bypass_bytes_per_step" + MODELLED] = bypass
         row["pcie_bytes_per_step" + MODELLED] = (row["record_bytes_moved_per_step"] or 0) + bypass
@@ -453,8 +465,8 @@ def print_table(w, rows):
           + (f", sum bags of {w.bag_size}" if w.bag_size else "") + f"; {n}\n")
     print("| optimizer, state | cache (rows) | records in | ms/step median | mean | fwd / bwd / step ms | hit rate "
           "| bypassed/step | records moved MiB/step | bypassed MiB/step (modelled) | PCIe MiB/step (modelled) "
-          "| minimum MiB/step (modelled) | host waits/step | cache rows/GiB |")
-    print("|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| minimum MiB/step (modelled) | host waits/step | cache rows/GiB | rows read/fetch |")
+    print("|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     mib = 2**20
     for r in rows:
         cache = "none" if not r["cache"] else f"{r['cache']:g} ({r['cache_rows']:,})"
@@ -462,6 +474,7 @@ def print_table(w, rows):
         hit = "" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}"
         waits = "" if r["host_waits_per_step"] is None else f"{r['host_waits_per_step']:.2f}"
         per_gib = "" if r["cache_rows_per_gib"] is None else f"{r['cache_rows_per_gib']:,.0f}"
+        reads = "" if r["host_reads_per_fetch"] is None else f"{r['host_reads_per_fetch']:.2f}"
         moved = "" if r["record_bytes_moved_per_step"] is None else f"{r['record_bytes_moved_per_step'] / mib:,.1f}"
         # Records in host memory (an optimizer that updates on the CPU moves
         # them there): the bytes are then host copies, not PCIe.
@@ -470,7 +483,7 @@ def print_table(w, rows):
               f"{p['forward']:.2f} / {p['backward']:.2f} / {p['step']:.2f} | {hit} | {r['bypassed_per_step']:,.0f} | "
               f"{moved} | {r['bypass_bytes_per_step' + MODELLED] / mib:,.1f} | "
               f"{r['pcie_bytes_per_step' + MODELLED] / mib:,.1f} | {r['minimum_bytes_per_step' + MODELLED] / mib:,.1f} "
-              f"| {waits} | {per_gib} |")
+              f"| {waits} | {per_gib} | {reads} |")
     print("\nRecords moved: counted by the cache (records fetched and written back, times a record's size). "
           "(modelled): a formula, not a count: each bypassed row (every row without a cache) has its weight read "
           "for the forward and its record read and written by the update, at a record's size by formula "

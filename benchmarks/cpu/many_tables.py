@@ -10,7 +10,7 @@ order alternating; the figure is the median round. Both start from the same
 weights and train on the same batches; their first losses are checked equal
 before anything is timed.
 
-    python benchmarks/many_tables.py [--batches 128,2048 --optimizer sgd --modules embedding,bag]
+    python benchmarks/cpu/many_tables.py [--batches 128,2048 --optimizer sgd --modules embedding,bag]
 """
 import argparse
 import copy
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import RESULTS_DIR, OtherLoad, fail, log, machine_info, require_hostembed, usable_cpus, write_json  # noqa: E402
 
 hostembed = require_hostembed()

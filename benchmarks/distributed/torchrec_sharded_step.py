@@ -1,5 +1,5 @@
 """TorchRec's row-wise-sharded embedding on the CPU with gloo: a
-benchmark-only peer to benchmarks/sharded_step.py (TorchRec is not a
+benchmark-only peer to benchmarks/distributed/sharded_step.py (TorchRec is not a
 dependency of hostembed; this script is the only place it is used).
 
 The same global workload as sharded_step.py: one --rows x --dim float32
@@ -38,7 +38,7 @@ virtualenv of its own that reuses the system torch and fbgemm-gpu-cpu):
 
 (the second install pulls no torch: check with --dry-run), then
 
-    /tmp/trvenv/bin/python benchmarks/torchrec_sharded_step.py [--procs 1,2,4 --rows 2000000 --batch 65536]
+    /tmp/trvenv/bin/python benchmarks/distributed/torchrec_sharded_step.py [--procs 1,2,4 --rows 2000000 --batch 65536]
 """
 import argparse
 import datetime
@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import (GIB, RESULTS_DIR, OtherLoad, _vm_hwm_bytes, add_sharded_workload_args,  # noqa: E402
                      fmt_gib, log, sharded_global_batches, summarize_ms, usable_cpus, write_json, zipf_batches)
 

@@ -32,16 +32,18 @@ gradient) is reported as a fraction of it.
 
 Usage (after `pip install .`; `pip install fbgemm-gpu-cpu==1.8.0`, which
 matches torch 2.13, adds the FBGEMM contenders):
-    python benchmarks/cpu_breadth.py [--rows 1000000 ...]
+    python benchmarks/cpu/cpu_breadth.py [--rows 1000000 ...]
 """
 import argparse
 import gc
 import os
+import sys
 import time
 
 import torch
 
-from _common import (RESULTS_DIR, OtherLoad, PeakRss, copy_bandwidth, fail, fmt_ms, log, machine_info,
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
+from _common import (RESULTS_DIR, OtherLoad, PeakRss, copy_bandwidth, fail, fmt_ms, log, machine_info,  # noqa: E402
                      require_hostembed, summarize_ms, usable_cpus, write_json, zipf_batches)
 
 hostembed = require_hostembed()

@@ -34,7 +34,7 @@ fewer than 20 distinct of its 60 draws is drawn again (FBGEMM falls back
 to uniform ids for the whole batch; at alpha 1.15 neither happens in
 practice). Its warm-up steps train (FBGEMM's are forward-only).
 
-fresh / replayed: hostembed's reference stream (benchmarks/cache_step.py
+fresh / replayed: hostembed's reference stream (benchmarks/gpu/cache_step.py
 before the protocols): one table of 60M rows, D=128, 1,048,570 ids a step,
 bounded Zipf(1.05) over ranks scattered by a random permutation; "fresh"
 draws a new batch every step (what training does), "replayed" cycles 10
@@ -171,7 +171,7 @@ def fbgemm(scale=1.0, iters=100, tables=32, alpha=1.15, reuse=0.1, bag_size=20, 
 
 def reference(protocol, scale=1.0, warmup=10, steps=20, stream=10, alpha=1.05, seed=0, device="cpu"):
     """hostembed's reference stream, fresh or replayed (the draws of
-    benchmarks/cache_step.py before the protocols, for comparison with its
+    benchmarks/gpu/cache_step.py before the protocols, for comparison with its
     earlier figures)."""
     rows, batch = _scaled(60_000_000, scale), _scaled(1_048_570, scale)
     draw = ZipfIds(rows, alpha, np.random.default_rng(seed))

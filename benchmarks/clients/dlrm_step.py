@@ -24,8 +24,8 @@ rounding of the sums of a hot row's thousands of gradient rows, which
 torch adds in another order), and for row-wise Adagrad against the
 hostembed contender's.
 
-    python benchmarks/dlrm_step.py
-    python benchmarks/dlrm_step.py --bags 128,2048 --optimizers SGD --ids uniform
+    python benchmarks/clients/dlrm_step.py
+    python benchmarks/clients/dlrm_step.py --bags 128,2048 --optimizers SGD --ids uniform
 """
 import argparse
 import os
@@ -35,7 +35,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import RESULTS_DIR, OtherLoad, fail, log, machine_info, require_hostembed, usable_cpus, write_json  # noqa: E402
 
 hostembed = require_hostembed()

@@ -39,7 +39,7 @@ memory each step. Tied models run on the CPU only: a tied projection
 multiplies by the whole table every step, so on a GPU the table must be
 there.
 
-Usage: python benchmarks/lm_step.py [--vocabs 50257,256000 --hidden 256 --tokens 2048 --device cuda]
+Usage: python benchmarks/clients/lm_step.py [--vocabs 50257,256000 --hidden 256 --tokens 2048 --device cuda]
 """
 import argparse
 import functools
@@ -51,7 +51,8 @@ import time
 import torch
 from torch import nn
 
-from _common import RESULTS_DIR, log, machine_info, require_hostembed, write_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
+from _common import RESULTS_DIR, log, machine_info, require_hostembed, write_json  # noqa: E402
 
 hostembed = require_hostembed()
 

@@ -1,4 +1,4 @@
-"""Streams, oracles and a policy simulator for benchmarks/cache_plan.py's
+"""Streams, oracles and a policy simulator for benchmarks/cache/cache_plan.py's
 --protocol mode: how far the row cache's policy is from what a cache of
 the same size could keep.
 
@@ -61,7 +61,7 @@ def load(protocol, scale=1.0, seed=0, tables=1):
     (the problem's measurements are of one); its cache base is the touched
     rows (cfr), FBGEMM's is all rows (its cache_load_factor), the
     reference streams' the rows they touch, the batch planned after the
-    last timed one included (as benchmarks/cache_step.py counts them)."""
+    last timed one included (as benchmarks/gpu/cache_step.py counts them)."""
     if protocol == "dynamicemb":
         w = anchors.dynamicemb(scale, tables=tables, seed=seed)
     elif protocol == "fbgemm":

@@ -17,8 +17,8 @@ the process's own storage I/O (/proc/self/io read_bytes, write_bytes; O_DIRECT
 included); the minimum is the records moved (fetches and evictions x the
 bytes of a row and its state).
 
-    sudo python benchmarks/disk_table.py            # ~10 min, ~9 GiB of files
-    python benchmarks/disk_table.py --rows 200000 --limit 256MiB --budget 32MiB --dir /tmp/t  # a quick look
+    sudo python benchmarks/disk/disk_table.py            # ~10 min, ~9 GiB of files
+    python benchmarks/disk/disk_table.py --rows 200000 --limit 256MiB --budget 32MiB --dir /tmp/t  # a quick look
 """
 import argparse
 import json
@@ -31,7 +31,8 @@ import time
 import numpy as np
 import torch
 
-from _common import RESULTS_DIR, ZipfIds, log, machine_info, require_hostembed, write_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
+from _common import RESULTS_DIR, ZipfIds, log, machine_info, require_hostembed, write_json  # noqa: E402
 
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 OPTIMIZERS = {"sparse_adam": 2, "rowwise_adagrad": 0}  # rows of per-element state a row
