@@ -81,7 +81,9 @@ void he_cache_plan_free(he_cache_plan *plan);
 /* Plans the batch whose unique rows are unique[0..num_unique), ascending
  * and distinct (as a Dedup gives them), each in [0, num_rows); at most
  * plan->max_unique. Anything else is refused (HE_ERR_VALUE, HE_ERR_INDEX)
- * with the cache unchanged. */
+ * with the cache unchanged; so is, with the frequency policy, a batch of
+ * 2^28 rows or more, or any batch after 2^32 - 1 of them (its stamps are
+ * 32-bit), and HE_ERR_NOMEM leaves it unchanged too. */
 he_status he_cache_plan_batch(he_cache *c, const int64_t *unique, int64_t num_unique, he_cache_plan *plan);
 
 /* The slot holding `row`, or -1. */

@@ -29,7 +29,7 @@
  * misses turned away lately, whatever their counts. A row used by one
  * batch and back a few batches later (a fresh stream's recurring tail)
  * never wins a frequency contest in time; the window keeps it while that
- * pays. Its size is decided after each batch (he_cache_gate): open while
+ * pays. Its size is decided after each batch (he_cache_gate_update): open while
  * the rows turned away in the last HE_CACHE_GATE_SPAN batches come back
  * more often, per slot, than the least used main row is used; at most
  * HE_CACHE_GATE_PERCENT of the slots. On a replayed stream it stays shut.

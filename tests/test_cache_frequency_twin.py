@@ -20,8 +20,10 @@ import torch
 
 from kernel_twin_build import build_twin
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks" / "cache"))
-import cache_plan_record  # noqa: E402  (benchmarks/cache/ on the path first)
+BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS / "cache"), str(BENCHMARKS)]  # the oracles import benchmarks/_common
+import _cache_oracles as oracles  # noqa: E402  (benchmarks/ on the path first)
+import cache_plan_record  # noqa: E402
 
 SLOT_MASK = (1 << 28) - 1  # include/he_cache_policy.h: slot + 1 in the entry's low bits
 
@@ -49,22 +51,37 @@ def _twin_decisions(harness, folder, config):
         at += width
         return array
 
+    windows = []
     for _ in batches:
-        n, misses = take(np.int64, 2).tolist()
+        n, misses, window = take(np.int64, 3).tolist()
+        windows.append(window)
         slot = take(np.int32, n)
         miss, evict_row = take(np.int64, misses), take(np.int64, misses)
         evicting = evict_row >= 0
         out.append((slot, slot[miss[evicting]], evict_row[evicting]))
     entry = take(np.uint32, config["rows"]).long()
     assert at == len(data), "the twin wrote more than its plans"
-    return out, ((entry & SLOT_MASK) - 1).to(torch.int32)
+    return (out, ((entry & SLOT_MASK) - 1).to(torch.int32)), windows
 
 
 @pytest.mark.parametrize("config", cache_plan_record.FREQUENCY_CONFIGS,
                          ids=lambda c: f"capacity{c['capacity']}-seed{c['seed']}")
 def test_the_gpu_frequency_planner_makes_the_cpu_planners_decisions(harness, tmp_path, config):
-    twin = _twin_decisions(harness, tmp_path, config)
+    twin, windows = _twin_decisions(harness, tmp_path, config)
     cpu = cache_plan_record.cpu_decisions(config)
     assert cache_plan_record.differences(twin, cpu) == []
-    if config["capacity"] in (40, 400, 1500):  # where slots change hands
+    if config["capacity"] in (40, 400, 1200, 1500):  # where slots change hands
         assert sum(len(evicted) for _, _, evicted in twin[0]) > 0
+    # The window the GPU's gate sizes after each batch is the simulator's
+    # (benchmarks/cache/_cache_oracles.py, which makes the CPU planner's
+    # decisions): on the recurring streams it opens, on the phased one it
+    # opens, changes size and shuts.
+    stream = oracles.Stream("twin", config["rows"], [b.numpy().astype(np.int64) for b in
+                                                    cache_plan_record.stream(config)], 0, config["capacity"], {})
+    report = {}
+    oracles.simulate(stream, config["capacity"], oracles.FREQUENCY, config["protect"], report)
+    assert windows == report["windows"]
+    if config.get("fresh"):
+        assert max(windows) > 0
+    if config.get("phased"):
+        assert len(set(windows) - {0}) >= 3 and 0 in windows[windows.index(max(windows)):]

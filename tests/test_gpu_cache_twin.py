@@ -334,3 +334,27 @@ def test_a_state_written_outside_the_cache_is_read_again():
     cache.flush()
     for key in states[0]:
         assert torch.equal(states[1][key], states[0][key]), key
+
+
+def test_state_attached_again_with_values_is_read_for_rows_never_fetched():
+    # Moments assigned by hand after a first step: the key's new tensor is
+    # not zero, so rows fetched later read it (not the zeros of the first).
+    rows, dim = 100, 8
+    gen = torch.Generator().manual_seed(13)
+    tables, states = _pair(rows, dim, gen)
+    cache = GpuRowCache(tables[1], 50, device="cpu")
+    _train_alike(cache, tables, states, [torch.arange(0, 10)], gen, False, {})
+    assert cache.zero_known == {"exp_avg", "exp_avg_sq"}
+    loaded = []
+    for table, state in zip(tables, states):
+        new = {key: table.zeros().fill_(value) for key, value in (("exp_avg", 0.25), ("exp_avg_sq", 0.5))}
+        for key in new:
+            new[key][:10] = states[0][key][:10]
+        loaded.append(new)
+    _train_alike(cache, tables, loaded, [torch.arange(0, 10)], gen, False, {})  # attaches the new tensors
+    assert cache.zero_known == set()
+    _train_alike(cache, tables, loaded, [torch.arange(20, 30)], gen, False, {})  # rows never fetched
+    cache.flush()
+    assert torch.equal(tables[1].tensor, tables[0].tensor)
+    for key in loaded[0]:
+        assert torch.equal(loaded[1][key], loaded[0][key]), key

@@ -184,6 +184,29 @@ def test_the_committed_rows_are_what_their_runs_json_gives():
         assert committed == made, f"{name}: rows.jsonl is not what recover_rows.py makes (run it again)"
 
 
+
+def test_rows_a_benchmark_wrote_are_what_its_json_gives():
+    # cache_plan.py writes its rows beside its JSON: each committed run of it
+    # (named by the --json in its command) gives the same figures again.
+    from _cache_plan_rows import reference_rows  # benchmarks/cache/, on the path report.py sets
+    checked = 0
+    for folder in sorted(os.listdir(_common.RESULTS_DIR)):
+        path = os.path.join(_common.RESULTS_DIR, folder, _common.ROWS_FILE)
+        if not os.path.exists(path):
+            continue
+        runs = {}
+        for row in _common.read_rows_file(path):
+            if row["benchmark"] == "cache_plan" and "--json" in (row["command"] or "") and "--protocol" not in row["command"]:
+                runs.setdefault(row["run"], []).append(row)
+        for run, rows in runs.items():
+            json_path = re.search(r"--json (\S+)", rows[0]["command"]).group(1)
+            with open(os.path.join(ROOT, json_path), encoding="utf-8") as f:
+                made = reference_rows(json.load(f), {k: rows[0][k] for k in ("benchmark", "run", "device", "machine",
+                                                                              "commit", "date", "command")})
+            assert made == rows, f"{folder}/{run}: rows.jsonl is not what {json_path} gives"
+            checked += 1
+    assert checked >= 4  # the reference runs of cpu-2026-11-29-cache-planner
+
 # (d) the markers
 
 def test_the_markers_are_well_formed(page):

@@ -280,9 +280,10 @@ class _Cache:
 def simulate(stream, capacity, policy, protect=1, report=None):
     """Hit rate over the timed batches of `policy` with a cache of
     `capacity` slots; protect as the planner's (1, or 2 when planned a
-    step ahead). report: a dict to fill with whether a window opened."""
+    step ahead). report: a dict to fill with whether a window opened and
+    its size after each batch ("windows")."""
     c = _Cache(stream.rows, capacity, policy)
-    hits = 0
+    hits, windows = 0, []
     for batch, b in enumerate(stream.batches, start=1):
         if policy.age_period and batch % policy.age_period == 0:
             c.count >>= 1
@@ -305,8 +306,10 @@ def simulate(stream, capacity, policy, protect=1, report=None):
         if c.window and turned.size:
             _window(c, turned, batch, protect)
         c.last[b] = batch
+        windows.append(c.window)
     if report is not None:
         report["window_opened"] = c.window_opened
+        report["windows"] = windows
     return hit_rate(hits, stream.batches[stream.warmup:])
 
 

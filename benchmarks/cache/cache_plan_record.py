@@ -24,12 +24,15 @@ CONFIGS = (
     dict(rows=3000, capacity=2500, protect=2, seed=3),
     dict(rows=500, capacity=1, protect=2, seed=4),
 )
-# The frequency policy on the same streams, and on a stream whose rows
-# recur a few batches apart (fresh=True: each batch's draws half from the
-# last batches' rows), where its window opens.
+# The frequency policy on the same streams; on streams whose rows recur a
+# few batches apart (fresh=True: each batch's draws half from the last
+# batches' rows), where its window opens; and on one in three phases
+# (phased=True: skewed, then recurring, then replayed batches of random
+# sizes), where the window opens, changes size and shuts.
 FREQUENCY_CONFIGS = tuple(dict(c, policy="frequency") for c in CONFIGS) + (
     dict(rows=20000, capacity=1500, protect=2, seed=5, policy="frequency", fresh=True),
     dict(rows=20000, capacity=1500, protect=1, seed=6, policy="frequency", fresh=True),
+    dict(rows=3000, capacity=1200, protect=2, seed=8, policy="frequency", phased=True),
 )
 ALL_CONFIGS = CONFIGS + FREQUENCY_CONFIGS
 BATCHES = 45
@@ -37,6 +40,8 @@ BATCHES = 45
 
 def stream(config):
     """The config's batches: ascending distinct rows, skewed, some empty."""
+    if config.get("phased"):
+        return _phased_stream(config)
     gen = torch.Generator().manual_seed(config["seed"])
     batches = []
     for b in range(BATCHES):
@@ -52,6 +57,28 @@ def stream(config):
             rows = torch.cat([rows[:125], recent[pick] if recent.numel() else rows[125:],
                               torch.randint(config["rows"], (250,), generator=gen)])
         batches.append(torch.unique(rows))
+    return batches
+
+
+def _phased_stream(config):
+    """Phases of 15 batches of 1 to 299 draws: skewed; a third skewed, the
+    rest from the last three batches' rows and uniform; the batches of 15
+    before again. Every 11th batch (from the 6th) empty."""
+    gen, rows, batches = torch.Generator().manual_seed(config["seed"]), config["rows"], []
+    for b in range(BATCHES):
+        if b % 11 == 5:
+            batches.append(torch.empty(0, dtype=torch.int64))
+            continue
+        size = int(torch.randint(1, 300, (1,), generator=gen))
+        u = torch.rand(size, generator=gen, dtype=torch.float64)
+        drawn = (rows * u ** 4).long()
+        recent = torch.cat(batches[-3:]) if len(batches) > 2 else torch.empty(0, dtype=torch.int64)
+        if (b // 15) % 3 == 1 and recent.numel():
+            drawn = torch.cat([drawn[:size // 3], recent[torch.randint(recent.numel(), (size,), generator=gen)],
+                               torch.randint(rows, (size,), generator=gen)])
+        elif (b // 15) % 3 == 2 and batches[b - 15].numel():
+            drawn = batches[b - 15]
+        batches.append(torch.unique(drawn))
     return batches
 
 

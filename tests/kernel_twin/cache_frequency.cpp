@@ -9,8 +9,9 @@
  * IN (native byte order), written by tests/test_cache_frequency_twin.py:
  *   int64 rows, capacity, protect, batches; then each batch: int64 n, its
  *   n rows (ascending, distinct, in range)
- * OUT: each batch: int64 n, misses; int32 slot[n]; int64 miss[misses],
- *   evict_row[misses]; then uint32 entry[rows] (he_cache_policy.h's). */
+ * OUT: each batch: int64 n, misses, window (its slots for the next batch);
+ *   int32 slot[n]; int64 miss[misses], evict_row[misses]; then uint32
+ *   entry[rows] (he_cache_policy.h's). */
 #include "device_shim.h"
 
 #include "he_cuda_cache_frequency.cuh"
@@ -109,6 +110,7 @@ int main(int argc, char **argv)
         int64_t misses = n ? counters[HE_CUDA_CACHE_MISSES] : 0;
         write_array(out, &n, 1);
         write_array(out, &misses, 1);
+        write_array(out, &counters[HE_CUDA_CACHE_WINDOW], 1);
         write_array(out, slot.data(), n);
         write_array(out, miss.data(), misses);
         write_array(out, evict_row.data(), misses);

@@ -330,8 +330,12 @@ class GpuRowCache(RowCache):
     def attach_state(self, key, host_tensor):
         records = super().attach_state(key, host_tensor)
         self._record_sizes.append((self.ops.snapshot(), self._record_bytes()))
-        if _all_zero_bits(host_tensor):  # new state: its rows need not be read until written
+        # New state: its rows need not be read until written. A tensor
+        # attached under a key known zero before may hold anything.
+        if _all_zero_bits(host_tensor):
             self.zero_known.add(key)
+        else:
+            self.zero_known.discard(key)
         return records
 
     def detach_state(self) -> None:
