@@ -45,7 +45,9 @@ its weight alone), the cache's records as allocated
 ("cache_records_allocated_bytes", "cache_bytes_per_row",
 "cache_rows_per_gib"), and figures from a formula, named *_modelled: a
 record's bytes, the bytes of bypassed rows (every row, without a cache),
-the PCIe total and the minimum}. No byte is measured on the bus.
+the PCIe total and the minimum}. No byte is measured on the bus. The same
+figures go beside it as result rows (rows.jsonl, benchmarks/_common.py's
+schema; this run's as one run: gpu/_cache_step_rows.py).
 
 Usage (after `pip install .`; a GPU for the real figures):
     python benchmarks/gpu/cache_step.py [--protocols dynamicemb,fbgemm,fresh,replayed --states float32,int8]
@@ -67,7 +69,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 sys.path.insert(0, os.path.join(sys.path[0], "cache"))  # benchmarks/cache/: _anchor_streams
 import _anchor_streams as streams  # noqa: E402
-from _common import RESULTS_DIR, fail, log, machine_info, require_hostembed, write_json
+from _cache_step_rows import result_rows
+from _common import RESULTS_DIR, fail, log, machine_info, require_hostembed, run_context, write_json, write_rows
 
 hostembed = require_hostembed()
 from hostembed.nn.host_module import UNINITIALISED  # noqa: E402  (after the build check above)
@@ -500,7 +503,8 @@ def main(argv=None):
     device = torch.device(args.device)
     today = datetime.date.today().isoformat()
     path = args.json or os.path.join(RESULTS_DIR, f"{device_label(device)}-{today}", "cache_protocols.json")
-    rows = []
+    rows, mine = [], []  # mine: this run's, written as result rows beside the JSON
+    context = run_context("cache_step", device=device)
     if args.append and os.path.exists(path):
         with open(path) as f:
             rows = json.load(f)
@@ -514,8 +518,11 @@ def main(argv=None):
             for state in (args.states if optimizer == "adam" else ["float32"]):
                 if not args.no_check:
                     check_bits(protocol, optimizer, state, args, device)
-                these += measure(w, optimizer, state, args, device, today)
+                measured = measure(w, optimizer, state, args, device, today)
+                these += measured
+                mine += measured
                 write_json(path, rows + these)  # kept as it grows: a run cut short keeps what it measured
+                write_rows(os.path.dirname(path), result_rows(mine, context))
         rows += these
         print_table(w, these)
         del w
