@@ -13,6 +13,7 @@
  *   int32 slot[n]; int64 miss[misses], evict_row[misses]; then uint32
  *   entry[rows] (he_cache_policy.h's). */
 #include "device_shim.h"
+#include "twin_input.h"
 
 #include "he_cuda_cache_frequency.cuh"
 
@@ -56,16 +57,6 @@ struct shim_prims {
     }
 };
 
-template <typename T> std::vector<T> read_array(FILE *f, int64_t n)
-{
-    std::vector<T> v((size_t)n);
-    if (n && std::fread(v.data(), sizeof(T), (size_t)n, f) != (size_t)n) {
-        std::fprintf(stderr, "cache_frequency: the input file ends early\n");
-        std::exit(2);
-    }
-    return v;
-}
-
 template <typename T> void write_array(FILE *f, const T *v, int64_t n)
 {
     if (n && std::fwrite(v, sizeof(T), (size_t)n, f) != (size_t)n)
@@ -78,10 +69,11 @@ int main(int argc, char **argv)
 {
     if (argc != 3 || !he_shim_rounds_alone())
         return 2;
-    FILE *in = std::fopen(argv[1], "rb"), *out = std::fopen(argv[2], "wb");
-    if (!in || !out)
+    he_twin_input in{std::fopen(argv[1], "rb"), "cache_frequency", {}};
+    FILE *out = std::fopen(argv[2], "wb");
+    if (!in.f || !out)
         return 2;
-    std::vector<int64_t> head = read_array<int64_t>(in, 4);
+    const int64_t *head = in.read<int64_t>(4);
     int64_t rows = head[0], capacity = head[1];
     std::vector<uint32_t> entry((size_t)rows), last((size_t)rows), turned_at((size_t)rows);
     std::vector<uint16_t> count((size_t)rows), slot_count((size_t)capacity);
@@ -94,8 +86,8 @@ int main(int argc, char **argv)
     if (he_cuda_check_cache(&c) != HE_OK)
         return 2;
     for (int64_t batch = 1; batch <= head[3]; batch++) {
-        int64_t n = read_array<int64_t>(in, 1)[0];
-        std::vector<int64_t> unique = read_array<int64_t>(in, n);
+        int64_t n = *in.read<int64_t>(1);
+        const int64_t *unique = in.read<int64_t>((size_t)n);
         size_t m = (size_t)std::max<int64_t>(n, 1), s = (size_t)capacity;
         std::vector<int32_t> slot(m), flags(m), ranks(m), turned(m), turned_ranks(m), ring(s), ring_ranks(s);
         std::vector<int64_t> miss(m), evict_row(m), turned_list(m);
@@ -104,7 +96,7 @@ int main(int argc, char **argv)
         he_cache_frequency_buffers b = {flags.data(),       ranks.data(),      turned.data(), turned_ranks.data(),
                                         turned_list.data(), miss_keys.data(),  miss_sorted.data(), keys.data(),
                                         sorted.data(),      ring.data(),       ring_ranks.data()};
-        if (he_cache_plan_frequency(&c, unique.data(), n, batch, &plan, b, shim_prims()) != HE_OK)
+        if (he_cache_plan_frequency(&c, unique, n, batch, &plan, b, shim_prims()) != HE_OK)
             return 4;
         shim_prims().launch(plan_done, 1, 1, c.counters, n);
         int64_t misses = n ? counters[HE_CUDA_CACHE_MISSES] : 0;

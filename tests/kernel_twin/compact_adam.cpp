@@ -15,28 +15,13 @@
  *   int64 indices[nnz], float values[nnz, dim]
  * OUT: the host rows' arrays, then the records', as in IN. */
 #include "device_shim.h"
+#include "twin_input.h"
 
 #include "he_cuda_compact.cuh"
 
 #include <cstdio>
 
 namespace {
-
-struct input {
-    FILE *f;
-    std::vector<std::unique_ptr<char[]>> owned;
-
-    template <typename T>
-    T *read(size_t count)
-    {
-        owned.push_back(std::make_unique<char[]>(count * sizeof(T) + 1));
-        if (count && std::fread(owned.back().get(), sizeof(T), count, f) != count) {
-            std::fprintf(stderr, "compact_adam: the input file ends early\n");
-            std::exit(2);
-        }
-        return reinterpret_cast<T *>(owned.back().get());
-    }
-};
 
 size_t code_size(int dtype)
 {
@@ -55,7 +40,7 @@ int main(int argc, char **argv)
         std::fprintf(stderr, "compact_adam: built with float operations fused; build with -ffp-contract=off\n");
         return 2;
     }
-    input in{std::fopen(argv[1], "rb"), {}};
+    he_twin_input in{std::fopen(argv[1], "rb"), "compact_adam", {}};
     if (!in.f) {
         std::perror(argv[1]);
         return 2;

@@ -20,6 +20,7 @@
  *   int64 indices[nnz], float values[nnz, dim]
  * OUT: the host arrays, then the records', as in IN. */
 #include "device_shim.h"
+#include "twin_input.h"
 
 #include "he_cuda_optim_cached.cuh"
 
@@ -27,22 +28,6 @@
 #include <string>
 
 namespace {
-
-struct input {
-    FILE *f;
-    std::vector<std::unique_ptr<char[]>> owned;
-
-    template <typename T>
-    T *read(size_t count)
-    {
-        owned.push_back(std::make_unique<char[]>(count * sizeof(T) + 1));
-        if (count && std::fread(owned.back().get(), sizeof(T), count, f) != count) {
-            std::fprintf(stderr, "optim_rows: the input file ends early\n");
-            std::exit(2);
-        }
-        return reinterpret_cast<T *>(owned.back().get());
-    }
-};
 
 }
 
@@ -56,7 +41,7 @@ int main(int argc, char **argv)
         std::fprintf(stderr, "optim_rows: built with float operations fused; build with -ffp-contract=off\n");
         return 2;
     }
-    input in{std::fopen(argv[1], "rb"), {}};
+    he_twin_input in{std::fopen(argv[1], "rb"), "optim_rows", {}};
     if (!in.f) {
         std::perror(argv[1]);
         return 2;
