@@ -30,18 +30,20 @@ batches. Contenders 2-5 and 8 (SparseAdam) must follow the same loss curve to
 float rounding, and so must 1, 6 and 7 (dense Adam, fewer steps), or the
 script fails without reporting timings.
 
-The plots carry the run's date and machine in their titles, and the JSON
-holds everything they are drawn from: --plot-from JSON draws them again
-from a run's JSON (no training), so a plot shown beside a table is that
-run's.
+After the run, its figures go as result rows (benchmarks/_common.py's
+schema; benchmarks/_compare/rows.py) to rows.jsonl beside the JSON, and the
+plots are drawn from those rows: every step's loss is a row. The plots
+carry the run's date and machine in their titles. --plot-from draws them
+again, with no training, from a run folder's rows (or a rows.jsonl, or a
+run's JSON), so a plot shown beside a table is that run's.
 
 This script reads the command line, runs the parts and writes the JSON
 and plots; the parts are in benchmarks/_compare/: the workload and model,
 the contenders, the runs and checks, the printed report and plots.
 
 Usage (after `pip install .`, or an in-place build with PYTHONPATH=python):
-    python benchmarks/compare.py [--size default|large|tiny] [--users N --dim D ...]
-    python benchmarks/compare.py --plot-from RUN.json --out benchmarks/figures
+    python benchmarks/compare.py [--size default|large|tiny] [--users N --dim D ...] [--json RUN/compare.json]
+    python benchmarks/compare.py --plot-from RUN_FOLDER [--plot-run RUN] --out benchmarks/figures
 """
 import argparse
 import json
@@ -51,12 +53,17 @@ import time
 
 import torch
 
-from _common import (DENSE_ADAM_WARMUP, RESULTS_DIR, OtherLoad, PeakRss, log, machine_info, require_hostembed,
-                     usable_cpus, write_json, write_plots)
+from _common import (DENSE_ADAM_WARMUP, REPO_ROOT, ROWS_FILE, OtherLoad, PeakRss, commit_of, log, machine_info,
+                     machine_summary, read_rows_file, require_hostembed, run_context, run_folder, usable_cpus,
+                     write_json, write_plots, write_rows)
 from _compare.contenders import CONTENDERS
-from _compare.reporting import plot_losses, plot_ms_per_step, print_report, run_date, run_label, timing_notes
+from _compare.reporting import (plot_inputs, plot_losses, plot_ms_per_step, print_report, run_date, run_label,
+                                timing_notes)
+from _compare.rows import run_rows
 from _compare.running import dense_floor, run_contenders
 from _compare.workload import make_batches, workload_stats
+
+FIGURES_DIR = os.path.join(REPO_ROOT, "benchmarks", "figures")  # the plots the docs show
 
 hostembed = require_hostembed()
 
@@ -107,9 +114,15 @@ def parse_args(argv=None):
     p.add_argument("--cache-fraction", type=float, default=0.2,
                    help="contender 8: rows of each table its GPU row cache holds, as a fraction")
     p.add_argument("--device", default="auto", help="output device: auto (cuda if available, else cpu), cpu, cuda[:N]")
-    p.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON and the plots")
-    p.add_argument("--plot-from", metavar="JSON",
-                   help="no run: draw the plots of the run this JSON of compare.py holds into --out")
+    p.add_argument("--out", help="directory for the JSON, rows and plots (default: the run folder "
+                                 "benchmarks/results/<device>-<date>; with --json, the JSON's folder; with "
+                                 "--plot-from, benchmarks/figures)")
+    p.add_argument("--json", help="the run's JSON (default: --out/compare_SIZE.json); its rows go to rows.jsonl "
+                                  "beside it")
+    p.add_argument("--plot-from", metavar="RUN",
+                   help="no run: draw into --out the plots of a compare.py run from its rows (a run folder or its "
+                        "rows.jsonl; the newest compare run there unless --plot-run names one) or from its JSON")
+    p.add_argument("--plot-run", metavar="NAME", help="with --plot-from: the run (its rows' \"run\") to draw")
     args = p.parse_args(argv)
     if args.plot_from is not None:
         return args
@@ -140,41 +153,73 @@ def output_device(name):
     return device
 
 
-def draw_plots(cfg, report, out_dir, run):
-    """The run's plots (ms per step, loss curves) from its report, titled
-    with `run` (its date and machine); (paths written, note)."""
-    results = report["contenders"]
+def draw_plots(rows, out_dir):
+    """The plots (ms per step; loss curves where the rows have them) of one
+    run from its rows, titled with its date and machine; (paths written, note)."""
+    cfg, results, floor_ms, agreement, about, date = plot_inputs(rows)
+    run = run_label(about, date)
     ran = any("median_ms" in r for r in results.values())
     stem = f"compare_{cfg.size}"
-    plots, note = write_plots(out_dir, {
-        f"{stem}_ms_per_step.png": plot_ms_per_step(cfg, results, report["dense_floor"]["median_ms"], run),
-        f"{stem}_loss.png": plot_losses(cfg, results, report["agreement"], run),
-    } if ran else {})
+    figures = {f"{stem}_ms_per_step.png": plot_ms_per_step(cfg, results, floor_ms, run)} if ran else {}
+    if any("losses" in r for r in results.values()):
+        figures[f"{stem}_loss.png"] = plot_losses(cfg, results, agreement, run)
+    plots, note = write_plots(out_dir, figures)
     return plots, note or ("" if ran else "plots skipped: no contender ran")
 
 
-def plot_from(json_path, out_dir):
-    """--plot-from: the plots of a run already made, from its JSON."""
+def json_rows(json_path):
+    """A run's JSON as its rows (and the JSON), for a run kept as JSON only."""
     with open(json_path) as f:
         report = json.load(f)
     if report.get("benchmark") != "compare":
         sys.exit(f"{json_path} is not a JSON of compare.py (benchmark: {report.get('benchmark')!r})")
-    cfg = argparse.Namespace(**report["config"])
     date = run_date(report, os.path.abspath(json_path))
     if not report.get("date"):
         log(f"{json_path} records no date; " + (f"the date in its path, {date}, titles the plots" if date else
                                                  "the plots say the date was not recorded"))
-    plots, note = draw_plots(cfg, report, out_dir, run_label(report, date))
-    for line in timing_notes(report["contenders"], report["dense_floor"]):
-        print(line)
-    print(f"Plots: {', '.join(plots)}" if plots else note)
+    machine = report["machine"]
+    # An older run's JSON may lack labels and the config's device: what the script says of them now.
+    data = dict(report, config=dict({"device": machine.get("output_device")}, **report["config"]),
+                contenders={c.key: dict({"label": c.label}, **report["contenders"][c.key]) for c in CONTENDERS
+                            if c.key in report["contenders"]})
+    on_gpu = str(data["config"]["device"]).startswith("cuda") and machine.get("gpu")
+    ctx = {"benchmark": "compare", "run": os.path.basename(json_path).rsplit(".", 1)[0],
+           "device": machine["gpu"]["name"] if on_gpu else "cpu", "machine": machine_summary(machine),
+           "commit": commit_of(machine.get("git")), "date": date, "command": None}
+    return run_rows(ctx, data), report
+
+
+def plot_from(path, out_dir, run=None):
+    """--plot-from: the plots of a run already made, from its rows (a run
+    folder, a rows.jsonl) or its JSON."""
+    report = None
+    if os.path.isdir(path):
+        path = os.path.join(path, ROWS_FILE)
+    if path.endswith(".jsonl"):
+        rows = [r for r in read_rows_file(path) if r["benchmark"] == "compare"]
+    else:
+        rows, report = json_rows(path)
+    runs = {}
+    for row in rows:
+        runs.setdefault(row["run"], []).append(row)
+    if not runs or (run is not None and run not in runs):
+        sys.exit(f"{path}: no rows of compare.py" + (f" in a run {run!r}; runs: {', '.join(runs)}" if runs else ""))
+    if run is None:  # the newest; of one date, the last written
+        run = max(enumerate(runs), key=lambda item: (runs[item[1]][0]["date"] or "", item[0]))[1]
+        if len(runs) > 1:
+            log(f"{len(runs)} compare runs in {path}: drawing the newest, {run} (--plot-run picks another)")
+    plots, note = draw_plots(runs[run], out_dir)
+    if report is not None:
+        for line in timing_notes(report["contenders"], report["dense_floor"]):
+            print(line)
+    print(f"Plots of {run}: {', '.join(plots)}" if plots else note)
 
 
 def main(argv=None):
     wall_t0 = time.perf_counter()
     cfg = parse_args(argv)
     if cfg.plot_from is not None:
-        return plot_from(cfg.plot_from, cfg.out)
+        return plot_from(cfg.plot_from, cfg.out or FIGURES_DIR, cfg.plot_run)
     date = time.strftime("%Y-%m-%d")
     out_device = cfg.device
     if out_device.type == "cuda" and out_device.index is not None:
@@ -207,14 +252,16 @@ def main(argv=None):
     peak.window()  # folds the last window into peak.overall
     report["peak_rss_bytes"] = peak.overall
     report["notes"] = timing_notes(results, floor)
-    stem = f"compare_{cfg.size}"
     ran = any("median_ms" in r for r in results.values())
-    plots, plots_note = draw_plots(cfg, report, cfg.out, run_label(report, report["date"]))
+    json_path = cfg.json or os.path.join(cfg.out or run_folder(out_device), f"compare_{cfg.size}.json")
+    rows = run_rows(run_context("compare", device=out_device, info=report["machine"]), report)
+    plots, plots_note = draw_plots(rows, cfg.out or os.path.dirname(os.path.abspath(json_path)))
     report["plots"] = plots or plots_note
     report["wall_s"] = time.perf_counter() - wall_t0
-    json_path = os.path.join(cfg.out, f"{stem}.json")
     write_json(json_path, report)
+    rows_path = write_rows(os.path.dirname(os.path.abspath(json_path)), rows)
     print_report(cfg, report, json_path, plots, plots_note)
+    print(f"Rows: {rows_path} ({len(rows)})")
     if not ran:
         sys.exit("nothing was measured: every contender was skipped here (the table says why)")
 

@@ -244,7 +244,7 @@ if (( BUILT )); then
     # sums copied to the host.
     run profile_rowwise 90 "$PY" benchmarks/gpu/gpu_profile.py --optimizer rowwise_adagrad \
         --setups "fused,cache 1.0" --steps 2
-    run compare 200 "$PY" benchmarks/compare.py --cache-fraction "${CACHE_FRACTION:-1}" --out "$OUT/compare"
+    run compare 200 "$PY" benchmarks/compare.py --cache-fraction "${CACHE_FRACTION:-1}" --json "$OUT/compare_default.json"
     # shellcheck disable=SC2086  # GPU_ARGS is a list of words
     run benchmark 330 "$PY" benchmarks/gpu/gpu.py --rows "$ROWS" --json "$OUT/gpu.json" ${GPU_ARGS:-}
     # The GPU tests again without torch's caching allocator: every output

@@ -1,4 +1,4 @@
-"""Writes rows.jsonl (the schema of _common.py: one measured figure a row)
+"""Writes rows.jsonl (the schema of _rows.py: one measured figure a row)
 into the run folders committed before the benchmarks wrote rows themselves,
 from each run's own JSON.
 
@@ -47,6 +47,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(sys.path[0], "cache"))  # benchmarks/cache/: _cache_plan_rows
 from _cache_plan_rows import policy_rows  # noqa: E402
 from _common import RESULTS_DIR, commit_of, machine_summary, make_row, write_rows  # noqa: E402
+from _compare.rows import compare_log_rows, compare_rows  # noqa: E402  (compare.py's rows)
+# Each benchmark's own converter from its JSON to rows, as it writes them after a run.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "clients"))  # benchmarks/clients/
+from state_quality import result_rows as state_quality_rows  # noqa: E402
+from lm_step import result_rows as lm_step_rows  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu"))  # benchmarks/cpu/
+from row_layout import result_rows as row_layout_rows  # noqa: E402
+from state_step import result_rows as state_step_rows  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))  # benchmarks/gpu/
+from gpu import result_rows as gpu_rows  # noqa: E402
 
 UNKNOWN_MACHINE = {"cpu_model": None, "cores": None, "gpu": None, "torch": None, "cuda": None}
 
@@ -150,84 +160,11 @@ def disk_table_rows(ctx, data):
     return rows
 
 
-def lm_step_rows(ctx, data):
-    names = {"torch": "torch nn.Embedding", "hostembed": "hostembed.Embedding (plain swap)"}
-    rows = []
-    for row in data["rows"]:
-        workload = dict(_pick(row, ("vocab", "hidden", "tied", "tokens")), **_pick(data["args"], ("warmup", "rounds")))
-        for key, contender in names.items():
-            sizes = row["table_bytes"][key]
-            figures = [("step_time_median", row["ms_per_step"][key], "ms"),
-                       ("table_weight", sizes["weight"], "bytes"), ("table_grad", sizes["grad"], "bytes"),
-                       ("table_optimizer_state", sizes["state"], "bytes")]
-            if key == "hostembed":
-                figures.append(("speed_vs_torch", row["hostembed_speed_vs_torch"], "x"))
-            rows += _rows(ctx, workload, contender, figures)
-    return rows
-
-
-def row_layout_rows(ctx, data):
-    rows = _copy_bandwidth_rows(ctx, data["copy_bandwidth"])
-    for run in data["runs"]:
-        workload = dict(_pick(data["args"], ("rows", "dim", "nnz", "rounds")), form=run["form"],
-                        threads=run["threads"])
-        for key, contender in (("separate", "separate arrays"), ("records", "one record a row")):
-            seconds = run[f"{key}_s"]
-            rows += _rows(ctx, workload, contender, [
-                ("update_time_median", run[f"{key}_ms"], "ms"),  # the JSON's median, as the log prints it
-                ("update_time_min", 1e3 * min(seconds), "ms"), ("update_time_max", 1e3 * max(seconds), "ms")])
-        rows += _rows(ctx, workload, "one record a row", [("record_size", run["record_bytes"], "bytes")])
-        rows += _rows(ctx, workload, "separate arrays", [("huge_pages", run["anon_huge_bytes"], "bytes"),
-                                                         ("table_and_state", run["table_bytes"], "bytes")])
-    return rows
-
-
-def _copy_bandwidth_rows(ctx, copy):
-    return _rows(ctx, {"threads": copy["threads"], "buffer_bytes": copy["buffer_bytes"]}, "host copy (copy_)",
-                 [("bandwidth", copy["bytes_per_s"], "bytes/s")])
-
-
-def state_quality_rows(ctx, data):
-    rows = []
-    for model, forms in data["models"].items():
-        task = data["tasks"][model]
-        metric = {"filtered MRR": "mrr"}.get(task["metric"], task["metric"].lower().replace(" ", "_"))
-        workload = dict(_pick(task, ("dataset", "dim", "epochs", "batch", "steps", "table_lr", "dense_lr",
-                                     "margin")), model=model, seeds=data["config"]["seeds"])
-        for form, result in forms.items():
-            rows += _rows(ctx, workload, form, [
-                (f"{metric}_mean", result["metric_mean"], "score"), (f"{metric}_min", result["metric_min"], "score"),
-                (f"{metric}_max", result["metric_max"], "score"),
-                ("final_loss_mean", result["final_loss_mean"], "loss"),
-                # Against the reference form's mean, and the spread it is held to
-                # (the reference's max minus min, at least the JSON's min_tolerance).
-                (f"{metric}_difference", result.get("delta"), "score"),
-                (f"{metric}_tolerance", result.get("tolerance"), "score")])
-    return rows
-
-
-def state_step_rows(ctx, data):
-    base = _pick(data["args"], ("rows", "dim", "batch", "alpha", "batches", "warmup", "rounds", "threads"))
-    rows = _copy_bandwidth_rows(ctx, {"threads": data["args"]["threads"], "buffer_bytes": None,
-                                      "bytes_per_s": data["copy_bandwidth_bytes_per_s"]})
-    for form, memory in data["memory"].items():
-        rows += _rows(ctx, base, form, [("bytes_per_parameter_rss", memory["rss_bytes_per_param"], "bytes"),
-                                        ("bytes_per_parameter_allocated", memory["allocated_bytes_per_param"],
-                                         "bytes")])
-    for form, step in data["step"].items():
-        rows += _rows(ctx, base, form, [("weight_and_state_traffic", step["bytes_per_step"], "bytes/step")])
-        for mode in ("unfused", "fused"):
-            workload = dict(base, fused=mode == "fused")
-            rows += _rows(ctx, workload, form, _spread("step_time", step[mode]) +
-                          [("speed_vs_fp32", step[mode]["speedup_vs_fp32"], "x")])
-    return rows
-
-
 CPU_2026_11_28 = [  # (file name pattern, benchmark, converter)
     ("disk_table*.json", "disk_table", disk_table_rows),
     ("lm_step.json", "lm_step", lm_step_rows),
     ("row_layout_run*.json", "row_layout", row_layout_rows),
-    ("state_quality_kg.json", "state_quality", state_quality_rows),
+    ("state_quality_kg.json", "state_quality", lambda ctx, data: state_quality_rows(ctx, data, curves=False)),
     ("state_step.json", "state_step", state_step_rows),
 ]
 
@@ -358,82 +295,6 @@ def cache_step_rows(ctx, data):
         workload = dict(base, batches=args["stream"]) if stream == "replayed" else base
         rows += _cache_mode_rows(ctx, workload, contender, stream, mode)
     return rows + _published_rows(ctx, data["published_ms"])
-
-
-GPU_MODES = {"gpu": "hostembed, update on the GPU", "cpu": "hostembed, update on the CPU",
-             "auto": 'hostembed, update="auto"', "fused": "hostembed, fused (GPU update in backward)"}
-
-
-def gpu_rows(ctx, data):
-    rows = []
-    for direction, ceiling in data["ceilings"].items():
-        rows += _rows(ctx, {"bytes": ceiling["bytes"]}, f"pinned copy {direction.upper()}",
-                      [("bandwidth", ceiling["bytes_per_s"], "bytes/s"), ("time_median", ceiling["median_ms"], "ms")])
-    for part, contenders in (("train", GPU_MODES), ("fit", None)):
-        section = data[part]
-        workload = dict(_pick(section, ("rows", "dim", "batch", "alpha")),
-                        **_pick(data["args"], ("batches", "steps", "warmup", "lr", "seed")))
-        results = section["modes"] if part == "train" else {k: v for k, v in section.items() if isinstance(v, dict)
-                                                            and "median_ms" in v}
-        names = contenders or {"hostembed": "hostembed", "hostembed_fused": "hostembed, fused",
-                               "torch": "torch nn.Embedding(sparse=True) on the GPU + SparseAdam"}
-        for key, result in results.items():
-            rows += _rows(ctx, workload, names[key], _spread("step_time", result) + [
-                ("forward_time", result["forward_ms"], "ms"), ("backward_time", result["backward_ms"], "ms"),
-                ("optimizer_step_time", result["step_ms"], "ms"), ("pcie_bound", result.get("pcie_bound_ms"), "ms")])
-    return rows
-
-
-COMPARE_WORKLOAD = ("size", "users", "items", "dim", "hidden", "batch", "alpha", "steps", "warmup", "lr", "seed",
-                    "threads", "device", "cache_fraction")
-DENSE_FLOOR = "dense part alone (fixed embedding outputs, no tables)"
-
-
-def compare_rows(ctx, data):
-    workload = _pick(data["config"], COMPARE_WORKLOAD)
-    rows = _rows(ctx, workload, DENSE_FLOOR, _spread("step_time", data["dense_floor"]))
-    for result in data["contenders"].values():
-        if "skipped" in result:
-            continue
-        rows += _rows(ctx, workload, result["label"], _spread("step_time", result) + [
-            ("peak_rss", result["peak_rss_bytes_train"], "bytes"), ("peak_gpu_memory", result.get("peak_gpu_bytes"),
-                                                                     "bytes"),
-            ("final_loss", result["final_loss"], "loss"),
-            ("speedup_vs_torch_sparse_cpu", result.get("speedup_vs_torch_sparse_cpu"), "x")])
-    return rows
-
-
-def _number(text):
-    return float(text.replace(",", ""))
-
-
-def compare_log_rows(ctx, path, cache_fraction):
-    """compare.py's printed table (the run kept no JSON): its figures as
-    printed, so to their printed places."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    head = re.search(r"users ([\d,]+) x (\d+), items ([\d,]+) x \d+ .*?; batch ([\d,]+) interactions, "
-                     r"Zipf\(([\d.]+)\) ids .*?; MLP [\d-]+ on (\w+); lr ([\d.e-]+); (\d+) threads; "
-                     r"size preset '(\w+)'", text)
-    workload = {"size": head.group(9), "users": int(_number(head.group(1))), "items": int(_number(head.group(3))),
-                "dim": int(head.group(2)), "batch": int(_number(head.group(4))), "alpha": float(head.group(5)),
-                "lr": float(head.group(7)), "threads": int(head.group(8)), "device": head.group(6),
-                "cache_fraction": cache_fraction}
-    rows = []
-    floor = re.search(r"^Dense part alone .*?: ([\d.]+) ms/step", text, re.M)
-    rows += _rows(ctx, workload, DENSE_FLOOR, [("step_time_median", _number(floor.group(1)), "ms")])
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if not line.startswith("| ") or not re.match(r"\d+\. ", cells[0]) or len(cells) != 7:
-            continue
-        label = cells[0].split(". ", 1)[1]
-        rows += _rows(ctx, workload, label, [
-            ("step_time_median", _number(cells[1]), "ms"),
-            ("speedup_vs_torch_sparse_cpu", _number(cells[3].rstrip("x")), "x"),
-            ("peak_rss", _number(cells[4].split()[0]), "GiB"),
-            ("peak_gpu_memory", _number(cells[5].split()[0]), "GiB"),
-            ("final_loss", _number(cells[6].split()[0]), "loss")])
-    return rows
 
 
 H200_JSON = [  # (folder, call, file, benchmark, converter, the summary log's stage name)

@@ -5,7 +5,9 @@ ratio worked out for the front page and never shown beside its data,
 fails. A ratio on the page is a number followed by x, or a number in a
 table column headed as one ("speedup", "x torch Adam"); a figure matches
 one written to at least its places (0.69x matches 0.690 or 0.69, not
-0.7)."""
+0.7). A table generated from result rows (between `<!-- table: NAME -->`
+and `<!-- /table -->`) is left out of the claims: tests/test_results_rows.py
+checks each of its figures against the rows it came from."""
 import os
 import re
 
@@ -15,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RATIO = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(?:-(\d+(?:\.\d+)?))?x\b")
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 RATIO_COLUMN = re.compile(r"(^|\s)x(\s|$)|speedup", re.I)
+GENERATED = re.compile(r"^<!-- table: [\w-]+ -->$.*?^<!-- /table -->$", re.M | re.S)
 
 
 def _read(path):
@@ -46,8 +49,9 @@ def page_ratios(page):
 
 
 def missing_figures(claims, page):
-    """The ratios of `claims` that no ratio of `page` gives, each with
-    the words around it."""
+    """The ratios of `claims` (outside its generated tables) that no ratio
+    of `page` gives, each with the words around it."""
+    claims = GENERATED.sub("", claims)
     shown = [n.replace(",", "") for n in page_ratios(page)]
     missing = []
     for m in RATIO.finditer(claims):
@@ -70,6 +74,8 @@ def test_the_check_finds_a_figure_the_page_lacks():
     assert missing_figures("at 3.32x", page) == ["3.32x in '...at 3.32x'"]  # a time, not a ratio
     table = "| contender | ms/step | x torch Adam |\n|---|---:|---:|\n| swap | 109.9 | 5.36 |\n"
     assert missing_figures("5.4x", table) == [] and len(missing_figures("109.9x", table)) == 1
+    generated = "<!-- table: readme-results -->\n| a | 7.7x |\n<!-- /table -->\nthen 7.8x"
+    assert [m.split(" in ")[0] for m in missing_figures(generated, page)] == ["7.8x"]  # 7.7x is the rows'
 
 
 @pytest.mark.parametrize("claims", ["README.md", "docs/index.md"])

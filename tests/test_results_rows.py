@@ -1,7 +1,7 @@
-"""Results are data: every generated table of docs/results.md is what the
+"""Results are data: every generated table of docs/results.md and README.md is what the
 result rows under benchmarks/results/ render (benchmarks/report.py), each
 of its figures is a row's value (or worked out from rows' values), every
-row has the schema's fields (benchmarks/_common.py), and the committed rows
+row has the schema's fields (benchmarks/_rows.py), and the committed rows
 are what benchmarks/recover_rows.py makes from the runs' own JSON. Fast and
 CPU-only: it reads files and renders text."""
 import json
@@ -19,7 +19,8 @@ import recover_rows  # noqa: E402
 import report  # noqa: E402
 
 PAGE = os.path.join(ROOT, "docs", "results.md")
-HAND = re.compile(r"^<!-- hand table: no committed run \((GPU run, logs not kept|CPU run not kept)\) -->$")
+# Only a GPU table may stay without its run (until a GPU reruns it): a CPU one is rerun.
+HAND = re.compile(r"^<!-- hand table: no committed run \(GPU run, logs not kept\) -->$")
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +28,14 @@ def rows():
     return _common.read_rows()
 
 
-@pytest.fixture(scope="module")
-def page():
-    with open(PAGE, encoding="utf-8") as f:
+def _read(path):
+    with open(path, encoding="utf-8") as f:
         return f.read()
+
+
+@pytest.fixture(scope="module", params=report.PAGES, ids=os.path.basename)
+def page(request):
+    return _read(request.param)
 
 
 def rows_files():
@@ -65,9 +70,9 @@ def test_the_check_reports_a_changed_figure_and_the_report_puts_it_back(tmp_path
     assert report.main(["--check", "--page", str(copy)]) == 0
 
 
-def test_the_check_reports_a_table_whose_rows_changed(page, rows):
+def test_the_check_reports_a_table_whose_rows_changed(rows):
     changed = [dict(r, value=r["value"] * 2) if r["benchmark"] == "state_step" else r for r in rows]
-    problems = report.check_page(page, changed)
+    problems = report.check_page(_read(PAGE), changed)
     assert len(problems) == 1 and problems[0].startswith("table state-step differs"), problems
 
 
@@ -188,7 +193,7 @@ def test_the_committed_rows_are_what_their_runs_json_gives():
 def test_rows_a_benchmark_wrote_are_what_its_json_gives():
     # cache_plan.py writes its rows beside its JSON: each committed run of it
     # (named by the --json in its command) gives the same figures again.
-    from _cache_plan_rows import reference_rows  # benchmarks/cache/, on the path report.py sets
+    from _cache_plan_rows import reference_rows  # benchmarks/cache/, on the path recover_rows.py sets
     checked = 0
     for folder in sorted(os.listdir(_common.RESULTS_DIR)):
         path = os.path.join(_common.RESULTS_DIR, folder, _common.ROWS_FILE)
@@ -209,10 +214,14 @@ def test_rows_a_benchmark_wrote_are_what_its_json_gives():
 
 # (d) the markers
 
+def test_every_table_declared_is_on_a_page():
+    found = [name for path in report.PAGES for name, _, _ in report.blocks(_read(path))[0]]
+    assert sorted(found) == sorted(report.TABLES), "a table declared but on no page, or on two"
+
+
 def test_the_markers_are_well_formed(page):
     found, problems = report.blocks(page)
     assert not problems, problems
-    assert sorted(name for name, _, _ in found) == sorted(report.TABLES), "a table defined but not on the page"
     lines = page.split("\n")
     for name, first, end in found:
         assert lines[first].startswith("| "), f"{name}: the block does not start with its table"
@@ -251,6 +260,31 @@ def test_runs_are_joined_newest_first():
     same = [row("a", "2026-11-25", 1.0), row("b", "2026-11-26", 1.0)]
     collapsed = report.render_cell([report.Fig("m", report.fixed(1))], same, report.Col("h", [], collapse=True))
     assert "".join(p[1] for p in collapsed) == "1.0"
+
+
+def test_a_figure_across_runs_takes_each_argument_from_its_newest_run():
+    # Two scripts measured in turn (sharded_step.py, TorchRec's peer) are
+    # separate runs: a ratio of theirs takes each side's newest run.
+    def row(run, date, contender, value, procs=4):
+        return {"folder": "f", "run": run, "date": date, "contender": contender, "metric": "m",
+                "workload": {"procs": procs}, "value": value, "unit": "ms"}
+
+    rows = [row("ours-old", "2026-11-25", "ours", 1.0), row("theirs", "2026-11-26", "theirs", 30.0),
+            row("ours-new", "2026-11-27", "ours", 10.0)]
+    ratio = report.Across(lambda t, o: t / o, report.times(1),
+                          (report.Fig("m", where={"contender": "theirs"}), report.Fig("m", where={"contender": "ours"})))
+    procs = report.Label("procs", lambda v: f"{v} processes")
+    pieces = report.render_cell([ratio, " on ", procs], rows, report.Col("h", []))
+    assert "".join(p[1] for p in pieces) == "3.0x on 4 processes"
+    assert pieces[0][3] == [report.row_key(rows[1]), report.row_key(rows[2])]
+    # A side no run has leaves the cell empty, never a figure from elsewhere.
+    assert report.render_cell([ratio], rows[:1], report.Col("h", [])) == []
+
+
+def test_an_unnamed_run_lands_in_its_device_and_days_folder():
+    folder = _common.run_folder()
+    assert os.path.dirname(folder) == _common.RESULTS_DIR
+    assert re.fullmatch(r"cpu-\d{4}-\d{2}-\d{2}", os.path.basename(folder))
 
 
 def test_the_number_formats():

@@ -1,5 +1,6 @@
 """compare.py's report: the notes on figures that do not mean what they
 seem, the run's date and machine, the printed table, and the plots."""
+import argparse
 import re
 
 import numpy as np
@@ -7,6 +8,7 @@ import numpy as np
 from _common import DENSE_ADAM_WARMUP, fmt_gib, fmt_ms
 
 from .contenders import AGREEING, CONTENDERS, HOSTEMBED, HOSTEMBED_CACHED, HOSTEMBED_FUSED
+from .rows import DENSE_FLOOR
 from .running import LOSS_RTOL
 
 NOISY_LOAD = 0.05  # others' share of the CPUs above which a run's timings are called noisy
@@ -68,6 +70,44 @@ def run_label(report, date):
     where = f"{gpu['name']} + {cpus}" if gpu else cpus
     return (f"{date or 'date not recorded'}, {where}, torch {m.get('torch', '?')}, "
             f"outputs on {m.get('output_device', '?')}")
+
+
+def plot_inputs(rows):
+    """What the plots are drawn from, out of one run's rows (run_rows'):
+    (cfg, results by contender key, the dense floor's ms, the agreement of
+    SparseAdam's contenders, the run's machine as run_label reads it, its
+    date). A contender
+    without rows is "skipped", and why where the rows say it (a GPU
+    contender of a run with CPU outputs), so that the plots of a run and
+    those drawn again from its rows are the same."""
+    floor = [r for r in rows if r["contender"] == DENSE_FLOOR and r["metric"] == "step_time_median"]
+    if len(floor) != 1:
+        raise ValueError(f"{len(floor)} dense-floor step times among the run's rows, not 1")
+    first = floor[0]
+    cfg = argparse.Namespace(**first["workload"])
+    results = {}
+    for c in CONTENDERS:
+        mine = [r for r in rows if r["contender"] == c.label]
+        median = [r["value"] for r in mine if r["metric"] == "step_time_median"]
+        if not median:
+            needs_gpu = (c.on_gpu or c is HOSTEMBED_CACHED) and first["workload"].get("device") == "cpu"
+            reason = "needs GPU outputs; this run's were on the CPU" if needs_gpu else "not measured in this run"
+            results[c.key] = {"label": c.label, "number": c.number, "skipped": reason}
+            continue
+        losses = sorted((r["workload"]["step"], r["value"]) for r in mine if r["metric"] == "loss")
+        results[c.key] = {"label": c.label, "number": c.number, "median_ms": median[0]}
+        if losses:
+            results[c.key]["losses"] = [loss for _, loss in losses]
+    ran = [c for c in AGREEING if "losses" in results[c.key]]
+    agreement = {"checked": len(ran) >= 2}
+    if agreement["checked"]:
+        agreement.update(reference=ran[0].key, contenders={
+            c.key: {} for c in ran[1:] if len(results[c.key]["losses"]) == len(results[ran[0].key]["losses"])})
+    machine = first["machine"]
+    about = {"usable_cpus": machine["cores"], "cpu_model": machine["cpu_model"], "torch": machine["torch"],
+             "gpu": {"name": machine["gpu"]} if machine["gpu"] else None,
+             "output_device": first["workload"].get("device")}
+    return cfg, results, first["value"], agreement, {"machine": about}, first["date"] and first["date"][:10]
 
 
 def print_report(cfg, report, json_path, plots, plots_note):

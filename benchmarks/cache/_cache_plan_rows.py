@@ -1,4 +1,4 @@
-"""benchmarks/cache/cache_plan.py's reports as result rows (benchmarks/_common.py's
+"""benchmarks/cache/cache_plan.py's reports as result rows (benchmarks/_rows.py's
 schema): what the benchmark writes after a run, and what
 benchmarks/recover_rows.py makes of a run's JSON kept from before."""
 from _common import make_row
@@ -6,7 +6,7 @@ from _common import make_row
 
 def reference_rows(report, context):
     """The reference stream's figures (main's report) as result rows
-    (benchmarks/_common.py): each cache size's hit rate and planning time."""
+    (benchmarks/_rows.py): each cache size's hit rate and planning time."""
     a = report["args"]
     base = {"stream": "replayed" if a["stream"] else "fresh", "distinct_batches": a["stream"], "rows": a["rows"],
             "lookups_per_step": a["batch"], "alpha": a["alpha"], "warmup_batches": a["warmup"],

@@ -56,7 +56,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 import _cache_oracles as oracles  # noqa: E402
 from _cache_plan_rows import policy_rows, reference_rows
-from _common import (RESULTS_DIR, ZipfIds, fmt_ms, log, machine_info, require_hostembed, run_context, summarize_ms,
+from _common import (run_folder, ZipfIds, fmt_ms, log, machine_info, require_hostembed, run_context, summarize_ms,
                      write_json, write_rows)
 
 hostembed = require_hostembed()
@@ -98,7 +98,7 @@ def parse_args(argv=None):
     p.add_argument("--protect", type=int, choices=(1, 2), default=2,
                    help="--protocol: batches whose slots are protected (2: planned a step ahead, as "
                    "hostembed's modules plan; 1: after each step)")
-    p.add_argument("--json", default=os.path.join(RESULTS_DIR, "cache_plan.json"))
+    p.add_argument("--json", default=os.path.join(run_folder(), "cache_plan.json"))
     args = p.parse_args(argv)
     args.fractions = [float(x) for x in args.fractions.split(",") if x] or None
     args.protocol = [x for x in args.protocol.split(",") if x]

@@ -24,7 +24,9 @@ Every contender but sparse_adam must give torch_adam's numbers: checked
 after the warm-up steps against torch_adam's weights (within torch's own
 float32 error of a float64 run, see tests/test_torch_optimizers.py).
 Then each trains one epoch of a synthetic data set with a learnable signal
-and reports the held-out AUC.
+and reports the held-out AUC. The JSON (--json) holds the figures; they
+also go as result rows (result_rows) to rows.jsonl beside it, which
+docs/results.md's table is rendered from.
 
     python benchmarks/clients/ctr_adam.py                     # 2.7M rows, batch 2048
     python benchmarks/clients/ctr_adam.py --batch 256
@@ -39,13 +41,15 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import (OtherLoad, PeakRss, RESULTS_DIR, _vm_hwm_bytes, copy_bandwidth, fmt_ms, log,  # noqa: E402
-                     machine_info, require_hostembed, summarize_ms, usable_cpus, write_json)
+from _common import (OtherLoad, PeakRss, run_folder, _vm_hwm_bytes, copy_bandwidth, fmt_ms, log,  # noqa: E402
+                     machine_info, make_row, require_hostembed, run_context, summarize_ms, usable_cpus, write_json,
+                     write_rows)
 
 hostembed = require_hostembed()
 
 CONTENDERS = ("torch_adam", "torch_adam_fused", "deepspeed_adam", "swap_adam", "swap_adam_fused", "sparse_adam")
 LR, WEIGHT_DECAY = 1e-3, 1e-6
+TEST_SAMPLES = 50_000
 
 
 class CTRModel(nn.Module):
@@ -148,6 +152,33 @@ def check(models, reference64):
     return out
 
 
+def result_rows(ctx, report):
+    """The run's figures as result rows (benchmarks/_rows.py's schema),
+    one contender each: ms a step (median, min, max), the peak RSS its
+    model, optimizer and warm-up steps added, the held-out AUC after the
+    epoch, the largest weight difference from the float64 run after the
+    warm-ups (torch_adam's own, and each exact route's); the host copy
+    bandwidth; the other processes' share of the CPUs."""
+    args = report["args"]
+    workload = {"rows": args["rows"], "dim": args["dim"], "fields": args["fields"], "batch": args["batch"],
+                "optimizer": "Adam", "lr": LR, "weight_decay": WEIGHT_DECAY, "warmup": args["warmup"],
+                "rounds": args["rounds"], "steps_per_round": args["steps_per_round"],
+                "epoch_batches": args["epoch_batches"], "test_samples": TEST_SAMPLES, "threads": report["threads"]}
+    out = []
+    for name, r in report["results"].items():
+        figures = [(f"step_time_{stat}", r[f"{stat}_ms"], "ms") for stat in ("median", "min", "max")]
+        figures += [("peak_rss_added", r["peak_rss_bytes"], "bytes"), ("auc", r["auc"], "score"),
+                    ("error_vs_float64", report["checks"].get(f"{name}_error_vs_float64"), "abs")]
+        out += [make_row(ctx, workload, name, metric, value, unit) for metric, value, unit in figures
+                if value is not None]
+    copy = report["copy_bandwidth"]
+    out.append(make_row(ctx, {"threads": copy["threads"], "buffer_bytes": copy["buffer_bytes"]}, "host copy (copy_)",
+                        "bandwidth", copy["bytes_per_s"], "bytes/s"))
+    if report["other_load"] is not None:
+        out.append(make_row(ctx, workload, "other processes", "cpu_share", report["other_load"], "fraction"))
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=2_700_000)
@@ -220,7 +251,7 @@ def main(argv=None):
     # One epoch each from the initial state, then the held-out AUC.
     aucs = {}
     if args.epoch_batches:
-        test_ids, test_labels = make_data(args.rows, args.fields, 50_000, 2, truth)
+        test_ids, test_labels = make_data(args.rows, args.fields, TEST_SAMPLES, 2, truth)
         for name in names:
             log(f"epoch: {name}")
             del models[name], opts[name]
@@ -249,11 +280,14 @@ def main(argv=None):
         rss = "" if r["peak_rss_bytes"] is None else f"{r['peak_rss_bytes'] / 2**30:.2f} GiB"
         auc_text = "" if r["auc"] is None else f"{r['auc']:.4f}"
         print(f"| {name} | {fmt_ms(r['median_ms'])} | {ratio} | {ratio_fused} | {rss} | {auc_text} |")
-    report = {"args": vars(args), "machine": machine_info(), "copy_bandwidth": bandwidth, "other_load": other,
-              "checks": checks, "results": results}
-    path = args.json or os.path.join(RESULTS_DIR, f"ctr_adam_b{args.batch}.json")
+    info = machine_info()
+    report = {"args": vars(args), "machine": info, "threads": threads, "copy_bandwidth": bandwidth,
+              "other_load": other, "checks": checks, "results": results}
+    path = args.json or os.path.join(run_folder(), f"ctr_adam_b{args.batch}.json")
     write_json(path, report)
-    log(f"wrote {path}")
+    rows_path = write_rows(os.path.dirname(os.path.abspath(path)), result_rows(run_context("ctr_adam", info=info),
+                                                                               report))
+    log(f"wrote {path} and {rows_path}")
 
 
 if __name__ == "__main__":

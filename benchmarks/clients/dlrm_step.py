@@ -24,6 +24,10 @@ rounding of the sums of a hot row's thousands of gradient rows, which
 torch adds in another order), and for row-wise Adagrad against the
 hostembed contender's.
 
+The JSON (--json) holds the medians and every round's time; the figures
+also go as result rows (result_rows) to rows.jsonl beside it, which
+docs/results.md's table is rendered from.
+
     python benchmarks/clients/dlrm_step.py
     python benchmarks/clients/dlrm_step.py --bags 128,2048 --optimizers SGD --ids uniform
 """
@@ -36,7 +40,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import RESULTS_DIR, OtherLoad, fail, log, machine_info, require_hostembed, usable_cpus, write_json  # noqa: E402
+from _common import run_folder, OtherLoad, fail, log, machine_info, make_row, require_hostembed  # noqa: E402
+from _common import run_context, spread_rows, usable_cpus, write_json, write_rows  # noqa: E402
 
 hostembed = require_hostembed()
 
@@ -44,6 +49,9 @@ ROWS = (2_000_000, 1_000_000, 500_000, 100_000)
 DIM, BAG = 64, 4
 LR = {"SGD": 0.1, "Adagrad": 0.01, "RowWiseAdagrad": 0.01}
 KINDS = ("torch", "swap", "hostembed", "collection", "fused")
+# Each contender's name in the result rows (the table's headers).
+NAMES = {"torch": "torch", "swap": "swap (torch's optimizer)", "hostembed": "hostembed, 4 calls",
+         "collection": "collection", "fused": "collection fused"}
 STEPS_PER_ROUND_BAGS = 4096  # a round: this many bags a table, in steps
 
 
@@ -78,6 +86,31 @@ def make_ids(rows, bags, skew, g):
     return torch.multinomial(ranks, bags * BAG, replacement=True, generator=g).view(bags, BAG)
 
 
+def result_rows(ctx, report):
+    """The run's figures as result rows (benchmarks/_rows.py's schema):
+    per optimizer, ids and bags, each contender's ms a step (median, min,
+    max of the rounds' means); each contender's largest weight difference
+    from torch's (or, row-wise Adagrad, hostembed's) after the warm-ups, of
+    the table's largest weight, over every workload; the other processes'
+    share of the CPUs."""
+    args = report["args"]
+    base = {"tables": report["table_rows"], "dim": DIM, "bag": BAG, "mode": "sum", "rounds": args["rounds"],
+            "warmup": args["warmup"], "threads": args["threads"]}
+    out = []
+    for r in report["results"]:
+        workload = dict(base, optimizer=r["optimizer"], lr=LR[r["optimizer"]], ids=r["ids"], bags=r["bags"],
+                        steps_per_round=r["steps_per_round"])
+        for kind, ms in r["round_ms"].items():
+            out += spread_rows(ctx, workload, NAMES[kind], "step_time", ms, "ms")
+    checked = dict(base, optimizers=args["optimizers"].split(","), ids=args["ids"].split(","),
+                   bags=[int(b) for b in args["bags"].split(",")])
+    out += [make_row(ctx, checked, NAMES[kind], "max_weight_difference", diff, "fraction")
+            for kind, diff in report["max_abs_diff_vs_torch"].items() if kind in report["checked"]]
+    if report["other_load"] is not None:
+        out.append(make_row(ctx, checked, "other processes", "cpu_share", report["other_load"], "fraction"))
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bags", default="128,2048,16384", help="bags per table per step")
@@ -87,7 +120,7 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=usable_cpus())
     parser.add_argument("--rows-scale", type=float, default=1.0, help="table sizes x this (a quick look: 0.01)")
-    parser.add_argument("--json", default=os.path.join(RESULTS_DIR, "dlrm_step.json"))
+    parser.add_argument("--json", default=os.path.join(run_folder(), "dlrm_step.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     hostembed.set_num_threads(args.threads)
@@ -97,6 +130,7 @@ def main(argv=None):
     load = OtherLoad()
     results = []
     max_diff = {k: 0.0 for k in KINDS}
+    checked = set()  # the contenders whose weights were compared
     for opt_name in args.optimizers.split(","):
         kinds = tuple(k for k in KINDS if not (k == "swap" and opt_name == "RowWiseAdagrad"))
         built = {k: build(k, opt_name, initial) for k in kinds}
@@ -127,11 +161,13 @@ def main(argv=None):
                             diff = max(((a.weight.detach() - b).abs().max() / b.abs().max().clamp(min=1)).item()
                                        for a, b in zip(built[k][0], ref))
                             max_diff[k] = max(max_diff[k], diff)
+                            checked.add(k)
                             if not diff <= 1e-4:
                                 fail(f"{k} {opt_name} is {diff:.3g} from torch's after the warm-up ({skew}, {bags} "
                                      "bags)")
-                row = {"optimizer": opt_name, "ids": skew, "bags": bags,
-                       **{k: statistics.median(times[k]) * 1e3 if times.get(k) else None for k in KINDS}}
+                row = {"optimizer": opt_name, "ids": skew, "bags": bags, "steps_per_round": per_round,
+                       **{k: statistics.median(times[k]) * 1e3 if times.get(k) else None for k in KINDS},
+                       "round_ms": {k: [t * 1e3 for t in times[k]] for k in kinds}}
                 results.append(row)
                 log(f"{opt_name} {skew} {bags}: " + ", ".join(f"{k} {row[k]:.2f} ms" for k in kinds))
         del built
@@ -151,10 +187,14 @@ def main(argv=None):
             cells += ["-", "-"] if r.get(k) is None else [f"{r[k]:.2f}", f"{t / r[k]:.2f}"]
         print(f"| {r['optimizer']} | {r['ids']} | {r['bags']:,} | {t:.2f} | " + " | ".join(cells) + " |")
     print("\nlargest weight difference from torch's after the warm-ups (of the table's largest weight): "
-          + ", ".join(f"{k} {v:.2g}" for k, v in max_diff.items() if k != "torch"))
-    write_json(args.json, {"args": vars(args), "machine": machine_info(), "other_load": other, "results": results,
-                           "max_abs_diff_vs_torch": max_diff})
-    log(f"wrote {args.json}")
+          + ", ".join(f"{k} {v:.2g}" for k, v in max_diff.items() if k in checked))
+    info = machine_info()
+    report = {"args": vars(args), "machine": info, "table_rows": rows, "other_load": other, "results": results,
+              "max_abs_diff_vs_torch": max_diff, "checked": sorted(checked)}
+    write_json(args.json, report)
+    path = write_rows(os.path.dirname(os.path.abspath(args.json)), result_rows(run_context("dlrm_step", info=info),
+                                                                               report))
+    log(f"wrote {args.json} and {path}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ the GPU memory the contender holds after a step and its peak during one
 (torch.cuda's allocator counts, each contender built and stepped alone
 first); and the bytes the token table holds after a step: its weight, its
 gradient (dense, or the row-sparse rows and ids) and its optimizer's state,
-counted from the tensors, with where they live.
+counted from the tensors, with where they live. The figures go to --json
+and, as result rows (result_rows), to rows.jsonl beside it.
 
 What it shows on a CPU: untied, torch's table gets a dense [V, H] gradient
 and AdamW's dense step every step; hostembed's gets a row-sparse one and the
@@ -52,7 +53,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import RESULTS_DIR, log, machine_info, require_hostembed, write_json  # noqa: E402
+from _common import (run_folder, log, machine_info, make_row, require_hostembed, run_context,  # noqa: E402
+                     write_json, write_rows)
 
 hostembed = require_hostembed()
 
@@ -86,10 +88,11 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the model runs (hostembed's table stays in host memory)")
-    p.add_argument("--json", default=os.path.join(RESULTS_DIR, "lm_step.json"))
+    p.add_argument("--json", help="the run's JSON; rows beside it (default: the device's run folder)")
     args = p.parse_args(argv)
     args.vocabs = [int(v) for v in args.vocabs.split(",") if v]
     args.device = torch.device(args.device)
+    args.json = args.json or os.path.join(run_folder(args.device), "lm_step.json")
     return args
 
 
@@ -210,6 +213,8 @@ def main(argv=None):
             ms = {k: statistics.median(v) * 1e3 for k, v in seconds.items()}
             row = {"vocab": vocab, "hidden": args.hidden, "tied": tied, "tokens": args.tokens,
                    "device": str(args.device), "ms_per_step": ms,
+                   "ms_per_step_min": {k: min(v) * 1e3 for k, v in seconds.items()},
+                   "ms_per_step_max": {k: max(v) * 1e3 for k, v in seconds.items()},
                    "speed_vs_torch": {k: ms["torch"] / v for k, v in ms.items()},
                    "hostembed_speed_vs_torch": ms["torch"] / ms["hostembed"],
                    "gpu_bytes": gpu if args.device.type == "cuda" else None, "table_bytes": held}
@@ -232,9 +237,44 @@ def main(argv=None):
             print(f"| {r['vocab']:,} | {'tied' if r['tied'] else 'untied'} | {name} | {ms:.1f} | "
                   f"{r['speed_vs_torch'][name]:.2f}x | {memory} | {mib(b['weight'])} + {mib(b['grad'])} + "
                   f"{mib(b['state'])} MiB ({b['device']}) |")
-    write_json(args.json, {"machine": machine_info(), "args": {k: str(v) if k == "device" else v
-                                                               for k, v in vars(args).items() if k != "json"},
-                           "rows": rows})
+    report = {"machine": machine_info(), "args": {k: str(v) if k == "device" else v
+                                                  for k, v in vars(args).items() if k != "json"}, "rows": rows}
+    write_json(args.json, report)
+    path = write_rows(os.path.dirname(os.path.abspath(args.json)),
+                      result_rows(run_context("lm_step", device=args.device, info=report["machine"]), report))
+    log(f"wrote {args.json} and {path}")
+    return rows
+
+
+CONTENDERS = {"torch": "torch nn.Embedding", "hostembed": "hostembed.Embedding (plain swap)",
+              "torch_sparse": "torch nn.Embedding(sparse=True) + SparseAdam",
+              "hostembed_sparse": "hostembed.Embedding + hostembed.SparseAdam"}
+
+
+def result_rows(ctx, report):
+    """A run's report (its JSON) as result rows (benchmarks/_rows.py's
+    schema), a model (vocab, hidden, tied, tokens, warmup, rounds) and a
+    contender each: the step time (median; min and max where the JSON keeps
+    them), the token table's weight, gradient and optimizer-state bytes,
+    the speed against torch's step (not torch's own), and with a GPU the
+    GPU memory held after a step and the peak during one.
+    recover_rows.py converts the committed runs' JSON with it too (they
+    kept only torch and hostembed, and only hostembed's speed)."""
+    rows = []
+    for r in report["rows"]:
+        workload = {k: r[k] for k in ("vocab", "hidden", "tied", "tokens") if k in r}
+        workload.update({k: report["args"][k] for k in ("warmup", "rounds") if k in report["args"]})
+        speeds = r.get("speed_vs_torch") or {"hostembed": r["hostembed_speed_vs_torch"]}
+        for key, ms in r["ms_per_step"].items():
+            sizes, gpu = r["table_bytes"][key], (r.get("gpu_bytes") or {}).get(key) or {}
+            figures = [("step_time_median", ms, "ms"), ("step_time_min", r.get("ms_per_step_min", {}).get(key), "ms"),
+                       ("step_time_max", r.get("ms_per_step_max", {}).get(key), "ms"),
+                       ("table_weight", sizes["weight"], "bytes"), ("table_grad", sizes["grad"], "bytes"),
+                       ("table_optimizer_state", sizes["state"], "bytes"),
+                       ("speed_vs_torch", None if key == "torch" else speeds.get(key), "x"),
+                       ("gpu_memory_held", gpu.get("held"), "bytes"), ("gpu_memory_peak", gpu.get("peak"), "bytes")]
+            rows += [make_row(ctx, workload, CONTENDERS[key], metric, value, unit)
+                     for metric, value, unit in figures if value is not None]
     return rows
 
 

@@ -30,6 +30,14 @@ traffic (a model: the gather reads and writes each looked-up row, the
 update reads and writes each updated row and its state and reads its
 gradient) is reported as a fraction of it.
 
+Beside its JSON (--json) the run writes its figures as result rows
+(rows.jsonl, benchmarks/_rows.py's schema; result_rows below): each
+contender's step time (median, min, max), speed against its group's
+reference and against hostembed SparseAdam, share of the copy bandwidth,
+modelled traffic, table and state bytes and peak RSS added; each group's
+check (the largest difference, and its share of the tolerance) and other
+processes' share of the CPUs; the run's copy bandwidth and unique ids.
+
 Usage (after `pip install .`; `pip install fbgemm-gpu-cpu==1.8.0`, which
 matches torch 2.13, adds the FBGEMM contenders):
     python benchmarks/cpu/cpu_breadth.py [--rows 1000000 ...]
@@ -43,8 +51,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import (RESULTS_DIR, OtherLoad, PeakRss, copy_bandwidth, fail, fmt_ms, log, machine_info,  # noqa: E402
-                     require_hostembed, summarize_ms, usable_cpus, write_json, zipf_batches)
+from _common import (run_folder, OtherLoad, PeakRss, copy_bandwidth, fail, fmt_ms, log, machine_info,  # noqa: E402
+                     make_row, require_hostembed, run_context, spread_rows, summarize_ms, usable_cpus, write_json,
+                     write_rows, zipf_batches)
 
 hostembed = require_hostembed()
 
@@ -72,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--groups", nargs="*", default=None, help="run only these groups (default: all)")
     p.add_argument("--copy-mib", type=int, default=1024, help="buffer size for the copy bandwidth ceiling")
-    p.add_argument("--json", default=os.path.join(RESULTS_DIR, "cpu_breadth.json"))
+    p.add_argument("--json", default=os.path.join(run_folder(), "cpu_breadth.json"))
     args = p.parse_args(argv)
     if min(args.rows, args.dim, args.batch, args.bag, args.steps, args.warmup, args.threads) < 1:
         p.error("every size must be >= 1")
@@ -276,11 +285,17 @@ def run_group(args, name, spec, batches):
             step(*built[contender], ids, grad_out)
         top = peak.window()
         rss[contender] = None if top is None else top - before
+    check = None
     if checked is not None:
         ours, theirs = built[checked][0].weight.detach().float(), built[against][0].weight.detach().float()
         if not torch.allclose(ours, theirs, rtol=rtol, atol=atol):
             fail(f"{name}: after {len(warm)} steps hostembed's weights differ from {against}'s by "
                  f"{(ours - theirs).abs().max().item():.3g}; not timing a wrong result")
+        difference = (ours - theirs).abs_()
+        check = {"against": against, "max_difference": difference.max().item(), "rtol": rtol, "atol": atol,
+                 # allclose's test, |a - b| <= atol + rtol |b|, as the share of its bound used (<= 1)
+                 "of_tolerance": difference.div_(theirs.abs().mul_(rtol).add_(atol)).max().item()}
+        del ours, theirs, difference
     other_load = OtherLoad()
     names = list(built)
     seconds = {n: [] for n in names}
@@ -290,12 +305,13 @@ def run_group(args, name, spec, batches):
     contenders = {}
     for n in names:
         contenders[n] = summarize_ms(seconds[n])
+        contenders[n]["all_ms"] = [s * 1e3 for s in seconds[n]]
         contenders[n]["state_bytes"] = state_bytes(built[n][1])
         contenders[n]["table_bytes"] = table_bytes(built[n][0])
         contenders[n]["peak_rss_bytes"] = rss[n]
     del built
     gc.collect()
-    return {"contenders": contenders, "checked": checked, "reference": twin,
+    return {"contenders": contenders, "checked": checked, "reference": twin, "bags": bags, "check": check,
             "cpu_fraction_used_by_others": other_load.fraction()}
 
 
@@ -312,6 +328,66 @@ def traffic_bytes(args, contender, unique):
     return gather * looked_up * args.dim + (UPDATE_BYTES[kind] - (4 if half else 0)) * unique * args.dim
 
 
+def derive(args, report):
+    """The figures worked out from the measured ones, for the report and the
+    rows alike: each hostembed contender's modelled traffic and its share of
+    the copy bandwidth, its speed against its group's reference (the checked
+    contender and its fused twin; the reference itself, 1) and against the
+    yardstick."""
+    copy_bps = report["copy_bandwidth"]["bytes_per_s"]
+    for result in report["groups"].values():
+        contenders = result["contenders"]
+        reference_ms = contenders[result["reference"]]["median_ms"] if result["reference"] else None
+        yard = contenders.get(YARDSTICK, {}).get("median_ms")
+        for n, r in contenders.items():
+            if n == result["reference"]:
+                r["vs_reference"] = 1.0  # its own reference: 1.00x
+            if not n.startswith("hostembed"):
+                continue
+            ms = r["median_ms"]
+            r["traffic_bytes"] = traffic_bytes(args, n, report["unique_mean"])
+            r["copy_bandwidth_share"] = r["traffic_bytes"] / (ms / 1e3) / copy_bps
+            if reference_ms and n.split("(")[0] == result["checked"]:
+                r["vs_reference"] = reference_ms / ms
+            if yard and n != YARDSTICK:
+                r["vs_yardstick"] = yard / ms
+
+
+def result_rows(args, report, context):
+    """The run's figures as result rows (benchmarks/_rows.py's schema):
+    a group's rows carry its name and bag size in their workload."""
+    base = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "alpha": args.alpha, "threads": args.threads,
+            "seed": args.seed}
+    copy = report["copy_bandwidth"]
+    out = [make_row(context, {**base, "buffer_bytes": copy["buffer_bytes"]}, "host copy (dst.copy_(src))",
+                    "copy_bandwidth", copy["bytes_per_s"], "bytes/s"),
+           make_row(context, base, "the ids", "unique_ids_mean", report["unique_mean"], "ids")]
+    for group, result in report["groups"].items():
+        workload = {"group": group, **base, "bag": args.bag if result["bags"] else None, "steps": args.steps,
+                    "warmup": args.warmup}
+        if result["cpu_fraction_used_by_others"] is not None:
+            out.append(make_row(context, workload, "other processes", "cpu_share",
+                                result["cpu_fraction_used_by_others"], "fraction"))
+        check = result["check"]
+        if check:  # its workload also names what it was checked against, within what
+            checked = {**workload, **{k: check[k] for k in ("against", "rtol", "atol")}}
+            out += [make_row(context, checked, result["checked"], "check_max_difference", check["max_difference"],
+                             "weight"),
+                    make_row(context, checked, result["checked"], "check_of_tolerance", check["of_tolerance"],
+                             "fraction")]
+        for n, r in result["contenders"].items():
+            out += spread_rows(context, workload, n, "step_time", r["all_ms"], "ms")
+            figures = [("speed_vs_reference", r.get("vs_reference"), "x"),
+                       ("speed_vs_hostembed_sparse_adam", r.get("vs_yardstick"), "x"),
+                       ("copy_bandwidth_share", r.get("copy_bandwidth_share"), "fraction"),
+                       ("traffic_modelled", r.get("traffic_bytes"), "bytes/step"),
+                       ("table_size", r["table_bytes"], "bytes"), ("state_size", r["state_bytes"], "bytes"),
+                       ("peak_rss_added", r["peak_rss_bytes"], "bytes")]
+            out += [make_row(context, workload, n, metric, value, unit) for metric, value, unit in figures
+                    if value is not None]
+    return out
+
+
 def print_report(args, report):
     copy_bps = report["copy_bandwidth"]["bytes_per_s"]
     print(f"\nN={args.rows:,} x D={args.dim}, B={args.batch:,} Zipf({args.alpha}) ids "
@@ -321,16 +397,11 @@ def print_report(args, report):
           "state | peak RSS added |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for group, result in report["groups"].items():
-        contenders = result["contenders"]
-        reference_ms = contenders[result["reference"]]["median_ms"] if result["reference"] else None
-        yard = contenders.get(YARDSTICK, {}).get("median_ms")
-        for n, r in contenders.items():
+        for n, r in result["contenders"].items():
             ms = r["median_ms"]
-            ours = n.startswith("hostembed")
-            vs_reference = (f"{reference_ms / ms:.2f}x" if reference_ms and ours
-                            and n.split("(")[0] == result["checked"] else "")
-            vs_yard = f"{yard / ms:.2f}x" if yard and ours and n != YARDSTICK else ""
-            share = f"{r['traffic_bytes'] / (ms / 1e3) / copy_bps:.0%}" if ours else ""
+            vs_reference = f"{r['vs_reference']:.2f}x" if "vs_reference" in r else ""
+            vs_yard = f"{r['vs_yardstick']:.2f}x" if "vs_yardstick" in r else ""
+            share = f"{r['copy_bandwidth_share']:.0%}" if "copy_bandwidth_share" in r else ""
             rss = "" if r["peak_rss_bytes"] is None else f"{r['peak_rss_bytes'] / 2**20:.0f} MiB"
             print(f"| {group} | {n} | {fmt_ms(ms)} | {vs_reference} | {vs_yard} | {share} | "
                   f"{r['table_bytes'] / 2**20:.0f} MiB | {r['state_bytes'] / 2**20:.1f} MiB | {rss} |")
@@ -353,13 +424,13 @@ def main(argv=None):
         if args.groups is not None and name not in args.groups:
             continue
         log(f"{name}: building, {args.warmup} warm-up steps, check, {args.steps} timed rounds")
-        result = run_group(args, name, spec, batches)
-        for n, r in result["contenders"].items():
-            if n.startswith("hostembed"):
-                r["traffic_bytes"] = traffic_bytes(args, n, report["unique_mean"])
-        report["groups"][name] = result
+        report["groups"][name] = run_group(args, name, spec, batches)
+    derive(args, report)
     print_report(args, report)
     write_json(args.json, report)
+    path = write_rows(os.path.dirname(os.path.abspath(args.json)),
+                      result_rows(args, report, run_context("cpu_breadth", info=report["machine"])))
+    log(f"wrote {args.json} and {path}")
 
 
 if __name__ == "__main__":

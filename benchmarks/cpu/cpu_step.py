@@ -1,9 +1,9 @@
 """One embedding training step on the CPU: hostembed against torch, on the same ids.
 
-Contenders (torch's built one at a time and freed before the next; the
-three hostembed ones built together and timed in interleaved rounds, each
-round in a rotated order, so that their ratios do not depend on when the
-shared machine was busy):
+Contenders (the three hostembed ones built together and timed in
+interleaved rounds, each in a rotated order, so that their ratios do not
+depend on when the shared machine was busy; torch's one at a time, each
+freed before the next):
   * hostembed.Embedding + hostembed.SparseAdam
   * the same with SparseAdam(fused=True): the update runs in backward, from
     the output gradient, with no weight.grad (step() only ends the step)
@@ -11,22 +11,21 @@ shared machine was busy):
     after each forward, so its gather overlaps this step's backward
   * torch.nn.Embedding(sparse=True) + torch.optim.SparseAdam
   * torch.nn.Embedding (dense) + torch.optim.Adam (few steps: it updates the
-    whole table every step), the same with Adam(fused=True), torch's
-    fastest dense Adam, and with DeepSpeedCPUAdam where deepspeed imports
-  * hostembed.Embedding + torch.optim.Adam: the plain swap, whose table
-    step the core does over every row without a dense gradient (the same
-    results as torch's dense Adam: checked before timing)
+    whole table every step), Adam(fused=True), and DeepSpeedCPUAdam where
+    deepspeed imports
+  * hostembed.Embedding + torch.optim.Adam: the plain swap, the core stepping
+    every row without a dense gradient (torch's results: checked first)
 
 A step is forward(ids) -> out.backward(fixed gradient) -> optimizer.step()
--> optimizer.zero_grad(): no loss computation, so nearly all the time is the
-embedding's. Before any hostembed step is timed, hostembed is checked against
-torch SparseAdam: the same initial table and the same first batches must give
-the same weights.
+-> optimizer.zero_grad(): nearly all the time is the embedding's. Before
+anything is timed, hostembed must reach torch SparseAdam's weights from the
+same table on the same first batches. The figures go to --json and, as
+result rows, to rows.jsonl beside it.
 
-Usage (after `pip install .`, or an in-place build with PYTHONPATH=python):
     python benchmarks/cpu/cpu_step.py [--rows 2000000 --dim 128 ...]
 """
 import argparse
+import functools
 import gc
 import os
 import sys
@@ -35,9 +34,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import (DENSE_ADAM_WARMUP, GIB, RESULTS_DIR, OtherLoad, PeakRss, copy_bandwidth, fail,  # noqa: E402
-                     fmt_ms, log, machine_info, progress, require_hostembed, summarize_ms, usable_cpus, write_json,
-                     zipf_batches)
+from _common import (DENSE_ADAM_WARMUP, GIB, run_folder, OtherLoad, PeakRss, copy_bandwidth, fail,  # noqa: E402
+                     fmt_gib, fmt_ms, log, machine_info, make_row, progress, require_hostembed, run_context,
+                     spread_rows, summarize_ms, usable_cpus, write_json, write_rows, zipf_batches)
 
 hostembed = require_hostembed()
 
@@ -52,6 +51,7 @@ TORCH_ADAM = "torch.nn.Embedding + torch.optim.Adam"
 TORCH_ADAM_FUSED = "torch.nn.Embedding + torch.optim.Adam(fused=True)"
 DEEPSPEED_ADAM = "torch.nn.Embedding + DeepSpeedCPUAdam"
 SWAP_ADAM = "hostembed.Embedding + torch.optim.Adam (plain swap)"
+TOGETHER = "the hostembed contenders together (timed in rounds)"
 
 
 def parse_args(argv=None):
@@ -72,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--copy-repeats", type=int, default=5)
     p.add_argument("--skip-torch-sparse", action="store_true",
                    help="do not time torch SparseAdam (it still runs the correctness check)")
-    p.add_argument("--json", default=os.path.join(RESULTS_DIR, "cpu_step.json"))
+    p.add_argument("--json", default=os.path.join(run_folder(), "cpu_step.json"))
     args = p.parse_args(argv)
     if min(args.rows, args.dim, args.batch, args.steps, args.warmup, args.threads) < 1:
         p.error("--rows, --dim, --batch, --steps, --warmup and --threads must be >= 1")
@@ -82,37 +82,6 @@ def parse_args(argv=None):
 
 
 # --- contenders -----------------------------------------------------------------
-
-def make_hostembed(args):
-    emb = hostembed.Embedding(args.rows, args.dim)
-    return emb, hostembed.SparseAdam(emb.parameters(), lr=args.lr)
-
-
-def make_hostembed_fused(args):
-    emb = hostembed.Embedding(args.rows, args.dim)
-    return emb, hostembed.SparseAdam(emb.parameters(), lr=args.lr, fused=True)
-
-
-def make_hostembed_prefetch(args):
-    emb, opt = make_hostembed_fused(args)
-    emb.prefetch_next = True  # read by train_step
-    return emb, opt
-
-
-def make_torch_sparse(args):
-    emb = torch.nn.Embedding(args.rows, args.dim, sparse=True)
-    return emb, torch.optim.SparseAdam(emb.parameters(), lr=args.lr)
-
-
-def make_torch_adam(args):
-    emb = torch.nn.Embedding(args.rows, args.dim)
-    return emb, torch.optim.Adam(emb.parameters(), lr=args.lr)
-
-
-def make_torch_adam_fused(args):
-    emb = torch.nn.Embedding(args.rows, args.dim)
-    return emb, torch.optim.Adam(emb.parameters(), lr=args.lr, fused=True)
-
 
 def deepspeed_cpu_adam():
     """DeepSpeedCPUAdam, or None where deepspeed does not import or its op
@@ -124,25 +93,40 @@ def deepspeed_cpu_adam():
         return None
 
 
-def make_deepspeed_adam(args):
-    emb = torch.nn.Embedding(args.rows, args.dim)
-    return emb, deepspeed_cpu_adam()(emb.parameters(), lr=args.lr, adamw_mode=False)
+def _sparse_adam(**options):
+    return lambda params, args: hostembed.SparseAdam(params, lr=args.lr, **options)
 
 
-def make_swap_adam(args):
-    emb = hostembed.Embedding(args.rows, args.dim)
-    return emb, torch.optim.Adam(emb.parameters(), lr=args.lr)
+def _adam(**options):
+    return lambda params, args: torch.optim.Adam(params, lr=args.lr, **options)
+
+
+MAKERS = {  # name: (the table's module, its optimizer from (parameters, args))
+    HOSTEMBED: (hostembed.Embedding, _sparse_adam()),
+    HOSTEMBED_FUSED: (hostembed.Embedding, _sparse_adam(fused=True)),
+    HOSTEMBED_PREFETCH: (hostembed.Embedding, _sparse_adam(fused=True)),
+    TORCH_SPARSE: (functools.partial(torch.nn.Embedding, sparse=True),
+                   lambda params, args: torch.optim.SparseAdam(params, lr=args.lr)),
+    TORCH_ADAM: (torch.nn.Embedding, _adam()),
+    TORCH_ADAM_FUSED: (torch.nn.Embedding, _adam(fused=True)),
+    DEEPSPEED_ADAM: (torch.nn.Embedding, lambda params, args: deepspeed_cpu_adam()(params, lr=args.lr,
+                                                                                     adamw_mode=False)),
+    SWAP_ADAM: (hostembed.Embedding, _adam()),
+}
 
 
 # --- running a contender ---------------------------------------------------------
 
-def build(make, args):
+def build(name, args):
     # The same seed before every constructor: nn.Embedding and hostembed
     # draw their tables identically, so every contender starts from the same weights.
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    emb, opt = make(args)
-    return emb, opt, time.perf_counter() - t0
+    module, optimizer = MAKERS[name]
+    emb = module(args.rows, args.dim)
+    if name == HOSTEMBED_PREFETCH:
+        emb.prefetch_next = True  # read by train_step
+    return emb, optimizer(emb.parameters(), args), time.perf_counter() - t0
 
 
 def train_step(emb, opt, ids, grad_out, next_ids=None):
@@ -177,10 +161,6 @@ def warm_up(emb, opt, batches, grad_out, desc):
     return first
 
 
-def timed_steps(emb, opt, batches, grad_out, desc, peak):
-    return timed_rounds({desc: (emb, opt)}, batches, grad_out, desc, peak)[desc]
-
-
 def timed_rounds(contenders, batches, grad_out, desc, peak):
     """Every contender ({name: (emb, opt)}) steps on each batch in turn, the
     order rotated each round. The peak RSS window covers them all."""
@@ -196,24 +176,12 @@ def timed_rounds(contenders, batches, grad_out, desc, peak):
                 per_phase[n][name].append(seconds)
             totals[n].append(sum(phases))
     window = peak.window()
-    results = {}
-    for n in names:
-        result = summarize_ms(totals[n])
-        result["steps_per_s"] = 1e3 / result["median_ms"]
-        result["phases_median_ms"] = {name: summarize_ms(s)["median_ms"] for name, s in per_phase[n].items()}
-        result["step_ms"] = [s * 1e3 for s in totals[n]]
-        result["peak_rss_bytes_timed"] = window
-        results[n] = result
-    return results
+    return {n: dict(summarize_ms(totals[n]), step_ms=[s * 1e3 for s in totals[n]], peak_rss_bytes_timed=window,
+                    phases_median_ms={name: summarize_ms(s)["median_ms"] for name, s in per_phase[n].items()})
+            for n in names}
 
 
 # --- correctness -------------------------------------------------------------------
-
-def check_same_start(weight, reference):
-    if not torch.equal(weight.detach(), reference):
-        fail("hostembed.Embedding and torch.nn.Embedding built after the same torch.manual_seed "
-             "have different initial tables, so the comparison below would mean nothing")
-
 
 def check_same_weights(weight, reference, block_rows=1 << 16):
     # Block by block: assert_close on a whole table would make several
@@ -245,7 +213,7 @@ def correctness_check(args, batches, grad_out):
     table (before and after), so the check needs about one contender + 2 tables.
     """
     log(f"correctness check: {CHECK_STEPS} steps of torch SparseAdam, then of hostembed")
-    emb, opt, _ = build(make_torch_sparse, args)
+    emb, opt, _ = build(TORCH_SPARSE, args)
     initial = emb.weight.detach().clone()
     warm_up(emb, opt, batches[:CHECK_STEPS], grad_out, "check: torch sparse")
     reference = emb.weight.detach().clone()
@@ -253,10 +221,11 @@ def correctness_check(args, batches, grad_out):
     gc.collect()
 
     result = {}
-    for name, make in ((HOSTEMBED, make_hostembed), (HOSTEMBED_FUSED, make_hostembed_fused),
-                       (HOSTEMBED_PREFETCH, make_hostembed_prefetch)):
-        emb, opt, _ = build(make, args)
-        check_same_start(emb.weight, initial)
+    for name in HOSTEMBEDS:
+        emb, opt, _ = build(name, args)
+        if not torch.equal(emb.weight.detach(), initial):
+            fail("hostembed.Embedding and torch.nn.Embedding built after the same torch.manual_seed "
+                 "have different initial tables, so the comparison below would mean nothing")
         warm_up(emb, opt, batches[:CHECK_STEPS], grad_out, f"check: {name}")
         result[name] = check_same_weights(emb.weight, reference)
         del emb, opt
@@ -278,8 +247,8 @@ def check_swap_adam(args, batches, grad_out):
     both against a float64 run)."""
     log(f"correctness check: {CHECK_STEPS} steps of torch dense Adam, then of the plain swap")
     results = []
-    for make in (make_torch_adam, make_swap_adam):
-        emb, opt, _ = build(make, args)
+    for name in (TORCH_ADAM, SWAP_ADAM):
+        emb, opt, _ = build(name, args)
         warm_up(emb, opt, batches[:CHECK_STEPS], grad_out, "check: Adam")
         results.append(emb.weight.detach().clone())
         del emb, opt
@@ -293,38 +262,32 @@ def check_swap_adam(args, batches, grad_out):
             "worst_fraction_of_bound": worst}
 
 
-def run_contender(name, make, args, warm, timed, grad_out, peak):
-    """Builds a contender, warms it up, times it and frees it before the next."""
-    log(f"{name}: building, {len(warm)} warm-up steps, {len(timed)} timed steps")
-    emb, opt, build_s = build(make, args)
+def run_group(names, args, warm, timed, grad_out, peak):
+    """Builds the contenders `names` together, warms each up, times them in
+    rounds and frees them. One's peak RSS alone: the process's before any
+    was built, plus what its build and warm-up added at their peak (or, alone
+    in its group, its timed steps' peak where higher)."""
+    built, extra = {}, {}
     # Over warm-up and timed steps: CPU accounting ticks at 10 ms, too coarse for the timed steps alone.
     other_load = OtherLoad()
-    first_s = warm_up(emb, opt, warm, grad_out, f"{name} warm-up")
-    result = timed_steps(emb, opt, timed, grad_out, name, peak)
-    result.update(build_s=build_s, first_step_ms=first_s * 1e3,
-                  cpu_fraction_used_by_others=other_load.fraction())
-    del emb, opt
-    gc.collect()
-    return result
-
-
-def run_hostembed_rounds(args, warm, timed, grad_out, peak):
-    """The hostembed contenders, built together and timed in rounds."""
-    makes = ((HOSTEMBED, make_hostembed), (HOSTEMBED_FUSED, make_hostembed_fused),
-             (HOSTEMBED_PREFETCH, make_hostembed_prefetch))
-    built, extra = {}, {}
-    other_load = OtherLoad()
-    for name, make in makes:
+    peak.start()
+    base = peak.window()
+    for name in names:
         log(f"{name}: building, {len(warm)} warm-up steps")
-        emb, opt, build_s = build(make, args)
+        peak.start()
+        before = peak.window()
+        emb, opt, build_s = build(name, args)
         first_s = warm_up(emb, opt, warm, grad_out, f"{name} warm-up")
         built[name] = (emb, opt)
-        extra[name] = {"build_s": build_s, "first_step_ms": first_s * 1e3}
-    log(f"hostembed contenders: {len(timed)} timed rounds")
-    results = timed_rounds(built, timed, grad_out, "hostembed rounds", peak)
+        extra[name] = {"build_s": build_s, "first_step_ms": first_s * 1e3, "timed_in_rounds": len(names) > 1,
+                       "peak_rss_bytes_alone": None if base is None else base + peak.window() - before}
+    log(f"{len(timed)} timed steps of each")
+    results = timed_rounds(built, timed, grad_out, "timed steps", peak)
     others = other_load.fraction()
-    for name in results:
-        results[name].update(extra[name], cpu_fraction_used_by_others=others, timed_in_rounds=True)
+    for name, r in results.items():
+        r.update(extra[name], cpu_fraction_used_by_others=others)
+        if len(names) == 1 and r["peak_rss_bytes_alone"] is not None:
+            r["peak_rss_bytes_alone"] = max(r["peak_rss_bytes_alone"], r["peak_rss_bytes_timed"])
     del built, emb, opt
     gc.collect()
     return results
@@ -334,73 +297,90 @@ def run_contenders(args, batches, grad_out, peak):
     # All contenders time the same ids; dense Adam only the first few of them
     # and after one warm-up step, as each of its steps costs seconds.
     warm, timed = batches[:args.warmup], batches[args.warmup:]
-    results = run_hostembed_rounds(args, warm, timed[:args.steps], grad_out, peak)
+    results = run_group(HOSTEMBEDS, args, warm, timed[:args.steps], grad_out, peak)
     if args.skip_torch_sparse:
         results[TORCH_SPARSE] = {"skipped": "--skip-torch-sparse"}
     else:
-        results[TORCH_SPARSE] = run_contender(TORCH_SPARSE, make_torch_sparse, args, warm, timed[:args.steps],
-                                              grad_out, peak)
-    for name, make in ((TORCH_ADAM, make_torch_adam), (TORCH_ADAM_FUSED, make_torch_adam_fused),
-                       (DEEPSPEED_ADAM, make_deepspeed_adam), (SWAP_ADAM, make_swap_adam)):
+        results.update(run_group((TORCH_SPARSE,), args, warm, timed[:args.steps], grad_out, peak))
+    for name in (TORCH_ADAM, TORCH_ADAM_FUSED, DEEPSPEED_ADAM, SWAP_ADAM):
         if args.adam_steps == 0:
             results[name] = {"skipped": "--adam-steps 0"}
         elif name == DEEPSPEED_ADAM and deepspeed_cpu_adam() is None:
             results[name] = {"skipped": "deepspeed not installed"}
         else:
-            results[name] = run_contender(name, make, args, warm[:DENSE_ADAM_WARMUP], timed[:args.adam_steps],
-                                          grad_out, peak)
+            results.update(run_group((name,), args, warm[:DENSE_ADAM_WARMUP], timed[:args.adam_steps], grad_out,
+                                     peak))
     return results
 
 
-def hostembed_bandwidth(args, unique_mean, step_ms, copy_bps):
-    # The issue's bound: SparseAdam reads w, m, v, g and writes w, m, v for
-    # each of the u x D updated elements (7 x 4 bytes); the gather reads and
-    # writes each of the B x D looked-up elements (2 x 4 bytes).
-    nbytes = 28 * unique_mean * args.dim + 8 * args.batch * args.dim
-    achieved = nbytes / (step_ms / 1e3)
+def bandwidth(nbytes, ms, copy_bps):
+    """`nbytes` moved in `ms`: the rate, and its fraction of the copy bandwidth."""
+    achieved = nbytes / (ms / 1e3)
     return {"bytes_per_step": nbytes, "achieved_bytes_per_s": achieved,
             "fraction_of_copy_bandwidth": achieved / copy_bps}
 
 
-def speedups(contenders, ours):
-    he = contenders[ours]["median_ms"]
-    return {name: r["median_ms"] / he for name, r in contenders.items()
-            if name not in HOSTEMBEDS and "median_ms" in r}
-
-
 # --- report ------------------------------------------------------------------------------
+
+def result_rows(args, report, ctx):
+    """The run's figures as result rows (benchmarks/_rows.py's schema), the
+    run's options their workload. A contender's peak_rss is its peak alone
+    (run_group); TOGETHER's, the peak of the hostembed contenders' rounds."""
+    workload = {k: getattr(args, k) for k in ("rows", "dim", "batch", "alpha", "steps", "warmup", "adam_steps",
+                                              "threads", "seed", "lr")}
+
+    def rows(contender, figures, where=workload):
+        return [make_row(ctx, where, contender, m, v, u) for m, v, u in figures if v is not None]
+    contenders, copy, torch_ms = report["contenders"], report["copy_bandwidth"], report["torch_sparse_ms"]
+    out = []
+    for name, r in ((n, r) for n, r in contenders.items() if "step_ms" in r):
+        out += spread_rows(ctx, workload, name, "step_time", r["step_ms"], "ms") + rows(name, [
+            ("speed_vs_torch_sparse_adam", torch_ms and torch_ms / r["median_ms"], "x"),
+            ("peak_rss", r["peak_rss_bytes_alone"], "bytes"), ("first_step_time", r["first_step_ms"], "ms"),
+            ("build_time", r["build_s"], "s"), ("other_load", r["cpu_fraction_used_by_others"], "fraction")]
+            + [({"step": "optimizer_step"}.get(p, p) + "_time", r["phases_median_ms"][p], "ms") for p in PHASES])
+        bw, check = report["bandwidth"].get(name) or {}, report["correctness"].get(name) or {}
+        out += rows(name, [("traffic_modelled", bw.get("bytes_per_step"), "bytes/step"),
+                           ("bandwidth_achieved", bw.get("achieved_bytes_per_s"), "bytes/s"),
+                           ("fraction_of_copy_bandwidth", bw.get("fraction_of_copy_bandwidth"), "fraction"),
+                           ("check_max_abs_difference", check.get("max_abs_diff"), "absolute"),
+                           ("check_fraction_of_bound", check.get("worst_fraction_of_bound"), "fraction")])
+    out += rows(TOGETHER, [("peak_rss", contenders[HOSTEMBED]["peak_rss_bytes_timed"], "bytes")])
+    swap = report.get("swap_adam_step", {})
+    out += rows(SWAP_ADAM, [(f"optimizer_step_{m}", swap.get(key), unit) for m, key, unit in (
+        ("traffic_modelled", "bytes_per_step", "bytes/step"), ("bandwidth_achieved", "achieved_bytes_per_s", "bytes/s"),
+        ("fraction_of_copy_bandwidth", "fraction_of_copy_bandwidth", "fraction"))])
+    for key, metric in (("all_threads", "bandwidth"), ("all_threads_before", "bandwidth_before"),
+                        ("all_threads_after", "bandwidth_after"), ("single_thread", "bandwidth")):
+        if key in copy:
+            out += rows("host copy (copy_)", [(metric, copy[key]["bytes_per_s"], "bytes/s")],
+                        {"threads": copy[key]["threads"], "buffer_bytes": copy[key]["buffer_bytes"]})
+    u = report["unique_ids"]
+    out += rows("the timed batches", [(f"unique_rows_{k}", u[k], "rows/step") for k in ("mean", "min", "max")])
+    return out + rows("other processes", [("other_load", report["other_load"]["cpu_fraction_used_by_others"],
+                                           "fraction"), ("peak_rss_process", report["peak_rss_bytes"], "bytes")])
+
 
 def print_report(args, report):
     contenders = report["contenders"]
-    ts = contenders[TORCH_SPARSE]
     print(f"## CPU training step: N={args.rows:,} rows, D={args.dim}, batch {args.batch:,} ids "
           f"Zipf({args.alpha}), {report['machine']['threads']} threads\n")
-    print("| contender | ms/step median | min | max | steps | steps/s | speedup vs torch SparseAdam "
-          "| CPU taken by other processes |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| contender | ms/step median | min | max | steps | speedup vs torch SparseAdam | peak RSS (alone) "
+          "| CPU taken by other processes | phase medians: forward | backward | optimizer step | zero_grad "
+          "| first step (allocates the state) |")
+    print("|---|" + "---:|" * 12)
     for name, r in contenders.items():
         if "skipped" in r:
-            print(f"| {name} | skipped: {r['skipped']} | | | | | | |")
+            print(f"| {name} | skipped: {r['skipped']} |" + " |" * 11)
             continue
-        vs = f"{ts['median_ms'] / r['median_ms']:.2f}x" if "median_ms" in ts else "n/a"
-        others = r["cpu_fraction_used_by_others"]
-        print(f"| {name} | {fmt_ms(r['median_ms'])} | {fmt_ms(r['min_ms'])} | {fmt_ms(r['max_ms'])} "
-              f"| {r['n']} | {r['steps_per_s']:.2f} | {vs} | {'n/a' if others is None else f'{others:.0%}'} |")
+        vs = f"{report['torch_sparse_ms'] / r['median_ms']:.2f}x" if report["torch_sparse_ms"] else "n/a"
+        others, rss = r["cpu_fraction_used_by_others"], r["peak_rss_bytes_alone"]
+        print(f"| {name} | {fmt_ms(r['median_ms'])} | {fmt_ms(r['min_ms'])} | {fmt_ms(r['max_ms'])} | {r['n']} | {vs} "
+              f"| {fmt_gib(rss)} | {'n/a' if others is None else f'{others:.0%}'} | "
+              + " | ".join(fmt_ms(r["phases_median_ms"][p]) for p in PHASES) + f" | {fmt_ms(r['first_step_ms'])} |")
 
-    print("\nPhase medians, ms (first untimed step, which allocates the optimizer state, in the last column):\n")
-    print("| contender | forward | backward | optimizer step | zero_grad | first step |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, r in contenders.items():
-        if "skipped" not in r:
-            ph = r["phases_median_ms"]
-            print(f"| {name} | " + " | ".join(fmt_ms(ph[p]) for p in PHASES) + f" | {fmt_ms(r['first_step_ms'])} |")
-
-    print()
-    for ours in HOSTEMBEDS:
-        for name, ratio in report["speedups"][ours].items():
-            print(f"{ours} speedup over {name}: {ratio:.2f}x (ratio of medians)")
     u, cp = report["unique_ids"], report["copy_bandwidth"]
-    print(f"unique ids per batch u: mean {u['mean']:,.0f} (min {u['min']:,}, max {u['max']:,}) "
+    print(f"\nunique ids per batch u: mean {u['mean']:,.0f} (min {u['min']:,}, max {u['max']:,}) "
           f"= {u['mean'] / args.batch:.1%} of the batch")
     single = cp.get("single_thread")
     best, before, after = cp["all_threads"], cp["all_threads_before"], cp["all_threads_after"]
@@ -409,36 +389,27 @@ def print_report(args, report):
           f"{before['bytes_per_s'] / 1e9:.2f} and after {after['bytes_per_s'] / 1e9:.2f} the contenders)"
           + (f", {single['bytes_per_s'] / 1e9:.2f} GB/s with 1 thread" if single else ""))
     for ours in HOSTEMBEDS:
-        bw = report["bandwidth"][ours]
+        bw, chk = report["bandwidth"][ours], report["correctness"][ours]
         print(f"{ours}: bytes/step (28*u*D + 8*B*D) {bw['bytes_per_step'] / 1e6:.1f} MB -> "
               f"{bw['achieved_bytes_per_s'] / 1e9:.2f} GB/s achieved = "
-              f"{bw['fraction_of_copy_bandwidth']:.1%} of the copy bandwidth")
-    for ours in HOSTEMBEDS:
-        chk = report["correctness"][ours]
-        print(f"correctness: {ours} matches torch SparseAdam after {chk['steps']} steps from the same table "
-              f"(max abs diff {chk['max_abs_diff']:.3g}, bitwise equal: {chk['bitwise_equal']})")
+              f"{bw['fraction_of_copy_bandwidth']:.1%} of the copy bandwidth; matches torch SparseAdam after "
+              f"{chk['steps']} steps (max abs diff {chk['max_abs_diff']:.3g}, bitwise equal: {chk['bitwise_equal']})")
     if SWAP_ADAM in report["correctness"]:
         chk = report["correctness"][SWAP_ADAM]
-        print(f"correctness: {SWAP_ADAM} within {chk['worst_fraction_of_bound']:.2f} of its bound from torch's "
-              f"dense Adam after {chk['steps']} steps (bitwise equal: {chk['bitwise_equal']})")
+        print(f"{SWAP_ADAM}: within {chk['worst_fraction_of_bound']:.2f} of its bound from torch's dense Adam after "
+              f"{chk['steps']} steps (bitwise equal: {chk['bitwise_equal']})")
     if "swap_adam_step" in report:
         bw = report["swap_adam_step"]
         print(f"{SWAP_ADAM}: its optimizer step moves {bw['bytes_per_step'] / 1e6:,.0f} MB (24 bytes a parameter: w, "
               f"m, v read and written) at {bw['achieved_bytes_per_s'] / 1e9:.2f} GB/s = "
               f"{bw['fraction_of_copy_bandwidth']:.1%} of the copy bandwidth")
-    rss = report["peak_rss_bytes"]
-    rounds = [r for r in contenders.values() if r.get("timed_in_rounds") and r.get("peak_rss_bytes_timed")]
-    parts = [f"the {len(rounds)} hostembed contenders together {rounds[0]['peak_rss_bytes_timed'] / GIB:.2f} GiB"
-             ] if rounds else []
-    parts += [f"{name.split(' + ')[1]} {r['peak_rss_bytes_timed'] / GIB:.2f} GiB" for name, r in contenders.items()
-              if r.get("peak_rss_bytes_timed") and not r.get("timed_in_rounds")]
-    per = ", ".join(parts)
-    print(f"peak RSS: process {rss / GIB:.2f} GiB" + (f"; during timed steps: {per}" if per else ""))
+    print(f"peak RSS: process {fmt_gib(report['peak_rss_bytes'])}, {TOGETHER} "
+          f"{fmt_gib(contenders[HOSTEMBED]['peak_rss_bytes_timed'])}")
     others = report["other_load"]["cpu_fraction_used_by_others"]
     if others is not None:
         note = " -- timings are noisy, rerun on an idle machine" if others > 0.05 else ""
         print(f"other processes used {others:.0%} of the CPUs during the run{note}")
-    print(f"JSON: {args.json}")
+    print(f"JSON and rows: {args.json}, {os.path.join(os.path.dirname(os.path.abspath(args.json)), 'rows.jsonl')}")
 
 
 def main(argv=None):
@@ -472,6 +443,7 @@ def main(argv=None):
     copy["all_threads"] = max(copy["all_threads_before"], copy["all_threads_after"], key=lambda c: c["bytes_per_s"])
 
     unique_stats = {"mean": sum(unique) / len(unique), "min": min(unique), "max": max(unique)}
+    copy_bps = copy["all_threads"]["bytes_per_s"]
     report = {
         "machine": machine_info(threads=args.threads, torch_threads=torch.get_num_threads(),
                                 hostembed_threads=hostembed.get_num_threads()),
@@ -479,23 +451,25 @@ def main(argv=None):
         "unique_ids": unique_stats,
         "copy_bandwidth": copy,
         "contenders": contenders,
-        "speedups": {ours: speedups(contenders, ours) for ours in HOSTEMBEDS},
-        "bandwidth": {ours: hostembed_bandwidth(args, unique_stats["mean"], contenders[ours]["median_ms"],
-                                                copy["all_threads"]["bytes_per_s"]) for ours in HOSTEMBEDS},
+        "torch_sparse_ms": contenders[TORCH_SPARSE].get("median_ms"),
+        # The issue's bound: SparseAdam reads w, m, v, g and writes w, m, v for
+        # each of the u x D updated elements (7 x 4 bytes); the gather reads and
+        # writes each of the B x D looked-up elements (2 x 4 bytes).
+        "bandwidth": {ours: bandwidth((28 * unique_stats["mean"] + 8 * args.batch) * args.dim,
+                                      contenders[ours]["median_ms"], copy_bps) for ours in HOSTEMBEDS},
         "correctness": check,
     }
     swap = contenders.get(SWAP_ADAM, {})
-    if "phases_median_ms" in swap:
-        nbytes = 24 * args.rows * args.dim
-        achieved = nbytes / (swap["phases_median_ms"]["step"] / 1e3)
-        report["swap_adam_step"] = {"bytes_per_step": nbytes, "achieved_bytes_per_s": achieved,
-                                    "fraction_of_copy_bandwidth": achieved / copy["all_threads"]["bytes_per_s"]}
+    if "phases_median_ms" in swap:  # dense Adam reads and writes w, m, v of every parameter
+        report["swap_adam_step"] = bandwidth(24 * args.rows * args.dim, swap["phases_median_ms"]["step"], copy_bps)
     peak.window()
     report["peak_rss_bytes"] = peak.overall
     report["other_load"] = {"loadavg_before": other_load.loadavg_before,
                             "cpu_fraction_used_by_others": other_load.fraction()}
 
     write_json(args.json, report)
+    write_rows(os.path.dirname(os.path.abspath(args.json)), result_rows(args, report, run_context(
+        "cpu_step", info=report["machine"])))
     print_report(args, report)
 
 

@@ -18,6 +18,14 @@ Saving (one process holding the table and its Adam state):
 Peak RSS is reported above the process's baseline after `import torch,
 hostembed` (stated separately), in units of the table's bytes.
 
+Beside its JSON (--out, or --json) the run writes its figures as result
+rows (rows.jsonl, benchmarks/_rows.py's schema; result_rows below): each
+load case's time (median, min, max over the rounds), the time allocating
+the table took in its median round, the plain read of the same file timed
+next to it, their ratios, and the peak RSS; each save's time, rate, ratio
+to the plain write and extra peak RSS; the baseline RSS and the table's
+allocation alone.
+
 Usage (after `pip install .`, or an in-place build with PYTHONPATH=python):
     python benchmarks/cpu/load_save.py [--table-gib 4 --dir /tmp/x]
 """
@@ -34,7 +42,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import GIB, RESULTS_DIR, PeakRss, log, machine_info, require_hostembed, write_json  # noqa: E402
+from _common import (GIB, run_folder, PeakRss, log, machine_info, make_row, require_hostembed,  # noqa: E402
+                     run_context, spread_rows, write_json, write_rows)
 
 BUFFER = 64 << 20
 FORMATS = {"pt": ".pt", "safetensors": ".safetensors", "npy": ".npy", "safetensors16": ".fp16.safetensors"}
@@ -52,7 +61,8 @@ def parse_args(argv=None):
                    help="table size for the save measurements, which hold 3x it in RAM and write 3x it per save")
     p.add_argument("--no-save", action="store_true", help="skip the save measurements")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds of every case (medians reported)")
-    p.add_argument("--out", default=os.path.join(RESULTS_DIR, "load_save.json"))
+    p.add_argument("--out", "--json", dest="out", default=os.path.join(run_folder(), "load_save.json"),
+                   help="the JSON report; its result rows go to rows.jsonl in its folder")
     p.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
     p.add_argument("--path", help=argparse.SUPPRESS)
     p.add_argument("--rows", type=int, help=argparse.SUPPRESS)
@@ -127,8 +137,11 @@ def run_case(case, path, rows, dim):
         hostembed.load(path, emb, opt)
     else:
         raise SystemExit(f"unknown case {case}")
+    seconds = time.perf_counter() - t0
+    if case.startswith("hostembed ."):  # the table as loaded: from a float16 file, a float16 table
+        result["loaded_bytes"] = emb.weight.numel() * emb.weight.element_size()
     result.setdefault("loaded_bytes", rows * dim * 4)
-    result.update(seconds=time.perf_counter() - t0, peak_bytes=peak.window() - baseline, baseline_bytes=baseline)
+    result.update(seconds=seconds, peak_bytes=peak.window() - baseline, baseline_bytes=baseline)
     print(json.dumps(result))
 
 
@@ -237,7 +250,7 @@ def main():
     directory = args.dir or tempfile.mkdtemp(prefix="hostembed-load-")
     os.makedirs(directory, exist_ok=True)
     report = {"machine": machine_info(), "rows": rows, "dim": args.dim, "table_bytes": table_bytes, "load": [],
-              "save": None}
+              "save": None, "repeats": args.repeats}
     try:
         paths = write_files(directory, rows, args.dim)
         table_rows = {fmt: rows for fmt in paths}
@@ -278,8 +291,10 @@ def main():
         for (case, fmt, cache), results in runs.items():
             middle = sorted(results, key=lambda r: r["seconds"])[len(results) // 2]  # the median run
             report["load"].append({"case": case, "file": os.path.basename(paths[fmt]), "cache": cache,
+                                   "rows": table_rows[fmt],
                                    "file_bytes": os.path.getsize(paths[fmt]), **middle,
                                    "read_seconds": statistics.median(r["read_seconds"] for r in results),
+                                   "all_read_seconds": [r["read_seconds"] for r in results],
                                    "all_seconds": [r["seconds"] for r in results],
                                    "peak_bytes": max(r["peak_bytes"] for r in results)})
         for other in paths.values():
@@ -290,7 +305,53 @@ def main():
             shutil.rmtree(directory, ignore_errors=True)
     print_report(report)
     write_json(args.out, report)
-    log(f"wrote {args.out}")
+    path = write_rows(os.path.dirname(os.path.abspath(args.out)),
+                      result_rows(report, run_context("load_save", info=report["machine"])))
+    log(f"wrote {args.out} and {path}")
+
+
+def result_rows(report, context):
+    """The run's figures as result rows (benchmarks/_rows.py's schema).
+    A load case is a contender (its name as printed) with its file and
+    cache state in the workload; the plain read of the same file, in the
+    same cache state, is its "file_read_time"; a ratio uses the case's
+    median round and the reads' median, as print_report does."""
+    dim = report["dim"]
+    base = {"dim": dim, "repeats": report["repeats"]}
+    out = []
+    if "allocate_seconds" in report:
+        out.append(make_row(context, {**base, "rows": report["rows"], "table_bytes": report["table_bytes"]},
+                            "allocating the table alone (no file)", "allocate_time", report["allocate_seconds"], "s"))
+    if report["load"]:
+        out.append(make_row(context, base, "import torch, hostembed", "baseline_rss",
+                            min(r["read_baseline_bytes"] for r in report["load"]), "bytes"))
+    for r in report["load"]:
+        workload = {**base, "rows": r["rows"], "table_bytes": r["rows"] * dim * 4, "file": r["file"],
+                    "file_bytes": r["file_bytes"], "cache": r["cache"]}
+        out += spread_rows(context, workload, r["case"], "load_time", r["all_seconds"], "s")
+        out += spread_rows(context, workload, r["case"], "file_read_time", r["all_read_seconds"], "s")
+        alloc = r.get("allocate_seconds")
+        figures = [("allocate_time", alloc, "s"), ("time_vs_read", r["seconds"] / r["read_seconds"], "x"),
+                   ("time_vs_read_without_allocation",
+                    None if alloc is None else (r["seconds"] - alloc) / r["read_seconds"], "x"),
+                   ("peak_rss_added", r["peak_bytes"], "bytes"), ("loaded_bytes", r["loaded_bytes"], "bytes"),
+                   ("peak_rss_of_loaded", r["peak_bytes"] / r["loaded_bytes"], "x"),
+                   ("lazy_load_time", r.get("load_s"), "s"),  # torch mmap: before the first pass
+                   ("lazy_load_peak_rss_added", r.get("load_peak_bytes"), "bytes")]
+        out += [make_row(context, workload, r["case"], metric, value, unit) for metric, value, unit in figures
+                if value is not None]
+    save = report["save"]
+    if save:
+        workload = {**base, "rows": save["rows"], "table_bytes": save["rows"] * dim * 4,
+                    "state": "SparseAdam (exp_avg, exp_avg_sq)", "bytes": save["bytes"]}
+        plain = save["plain write"]["median_s"]
+        for name in ("plain write", "hostembed.save", "torch.save"):
+            s = save[name]
+            out += spread_rows(context, workload, name, "save_time", s["seconds"], "s")
+            out += [make_row(context, workload, name, metric, value, unit) for metric, value, unit in (
+                ("save_rate", s["gb_per_s"], "GB/s"), ("time_vs_plain_write", s["median_s"] / plain, "x"),
+                ("peak_rss_added", s["peak_extra_bytes"], "bytes"), ("file_size", s["file_bytes"], "bytes"))]
+    return out
 
 
 def print_report(report):

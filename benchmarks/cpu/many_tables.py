@@ -8,7 +8,8 @@ hostembed.replace_embeddings, with torch's optimizer (the plain swap).
 Each batch size times both contenders in rounds of --steps steps, the
 order alternating; the figure is the median round. Both start from the same
 weights and train on the same batches; their first losses are checked equal
-before anything is timed.
+before anything is timed. The figures go to --json and, as result rows,
+to rows.jsonl beside it.
 
     python benchmarks/cpu/many_tables.py [--batches 128,2048 --optimizer sgd --modules embedding,bag]
 """
@@ -23,10 +24,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import RESULTS_DIR, OtherLoad, fail, log, machine_info, require_hostembed, usable_cpus, write_json  # noqa: E402
+from _common import (run_folder, OtherLoad, fail, log, machine_info, make_row, require_hostembed,  # noqa: E402
+                     run_context, spread_rows, usable_cpus, write_json, write_rows)
 
 hostembed = require_hostembed()
 
+CONTENDERS = {"torch": "torch's modules", "hostembed": "hostembed (plain swap)"}  # the JSON's key: the rows' name
 CRITEO_KAGGLE = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
                  5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)
 
@@ -64,13 +67,14 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--scale", type=int, default=1, help="divide every table's rows by this (smaller machines)")
     p.add_argument("--threads", type=int, default=usable_cpus())
-    p.add_argument("--json", default=os.path.join(RESULTS_DIR, "many_tables.json"))
+    p.add_argument("--json", default=os.path.join(run_folder(), "many_tables.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     hostembed.set_num_threads(args.threads)
     rows = [max(1, n // args.scale) for n in CRITEO_KAGGLE]
     load = OtherLoad()
-    results = {}
+    results, out = {}, []
+    ctx = run_context("many_tables")
     for kind in args.modules.split(","):
         bag = kind == "bag"
         torch.manual_seed(0)
@@ -104,6 +108,7 @@ def main(argv=None):
                     if r >= 0:
                         times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
             results[f"{kind} {batch}"] = {name: statistics.median(t) for name, t in times.items()}
+            out += result_rows(ctx, args, kind, batch, times)
             log(f"{kind}, batch {batch}: {results[f'{kind} {batch}']}")
         del ref, ours, models, opts
     other = load.fraction()
@@ -116,7 +121,23 @@ def main(argv=None):
         print(f"| {key} | {r['torch']:.2f} | {r['hostembed']:.2f} | {r['torch'] / r['hostembed']:.2f}x |")
     write_json(args.json, {"args": vars(args), "machine": machine_info(), "other_load": other,
                            "ms_per_step": results})
-    log(f"wrote {args.json}")
+    if other is not None:
+        out.append(make_row(ctx, {"optimizer": args.optimizer, "threads": args.threads}, "other processes",
+                            "other_load", other, "fraction"))
+    path = write_rows(os.path.dirname(os.path.abspath(args.json)), out)
+    log(f"wrote {args.json} and {path}")
+
+
+def result_rows(ctx, args, kind, batch, times):
+    """One workload's figures as result rows (benchmarks/_common.py's
+    schema): ms/step (median, min and max of the rounds), the swap's speed."""
+    workload = {"modules": kind, "batch": batch, "optimizer": args.optimizer, "dim": args.dim,
+                "tables": len(CRITEO_KAGGLE), "scale": args.scale, "steps": args.steps, "rounds": args.rounds,
+                "threads": args.threads}
+    rows = [row for key, name in CONTENDERS.items() for row in spread_rows(ctx, workload, name, "step_time",
+                                                                           times[key], "ms")]
+    speed = statistics.median(times["torch"]) / statistics.median(times["hostembed"])
+    return rows + [make_row(ctx, workload, CONTENDERS["hostembed"], "speed_vs_torch", speed, "x")]
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ torch's own gather (F.embedding) and torch.optim.SparseAdam run on the same
 data for reference (--no-torch skips them). Every timed call gets fresh
 uniform random ids or rows, drawn untimed before it: repeating the same ones
 would find them in the cache (65,536 rows of D = 16 are 4 MiB). These are
-memory-bound figures, compared with a memory-bound ceiling.
+memory-bound figures, compared with a memory-bound ceiling. The figures go
+to micro.json in --out and, as result rows (result_rows), to rows.jsonl
+beside it.
 
 Usage (after `pip install .`, or an in-place build with PYTHONPATH=python):
     python benchmarks/cpu/micro.py [--dims 16,32,64 --unique 1000,10000 ...]
@@ -25,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import (GIB, RESULTS_DIR, copy_bandwidth, fmt_ms, log, machine_info, progress,  # noqa: E402
-                     require_hostembed, synchronize, usable_cpus, write_json, write_plots)
+from _common import (GIB, run_folder, copy_bandwidth, fmt_ms, log, machine_info, make_row, progress,  # noqa: E402
+                     require_hostembed, run_context, spread_rows, synchronize, usable_cpus, write_json, write_plots,
+                     write_rows)
 
 hostembed = require_hostembed()
 
@@ -58,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=usable_cpus(), help="torch and hostembed threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-torch", action="store_true", help="skip torch's reference figures")
-    p.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON and the plots")
+    p.add_argument("--out", default=run_folder(), help="directory for the JSON and the plots")
     args = p.parse_args(argv)
     if not args.dims or not args.unique or min(args.dims + args.unique) < 1:
         p.error("--dims and --unique need positive values")
@@ -343,7 +346,73 @@ def main(argv=None):
     report["json"] = os.path.join(args.out, "micro.json")
     report["wall_s"] = time.perf_counter() - wall_t0
     write_json(report["json"], report)
+    path = write_rows(os.path.dirname(os.path.abspath(report["json"])),
+                      result_rows(run_context("micro", info=report["machine"]), report))
     print_report(args, report)
+    log(f"wrote {path}")
+
+
+# --- result rows ---------------------------------------------------------------------------------
+
+GATHER_CONTENDERS = {"hostembed": "hostembed.Embedding", "torch": "torch F.embedding"}
+ADAM_CONTENDERS = {"hostembed": "hostembed.SparseAdam", "torch": "torch.optim.SparseAdam"}
+PCIE_CONTENDERS = {"h2d_pinned": "pinned copy H2D", "d2h_pinned": "pinned copy D2H",
+                   "h2d_pageable": "pageable copy H2D", "d2h_pageable": "pageable copy D2H"}
+HOST_COPY = "host copy (dst.copy_(src))"
+
+
+def result_rows(ctx, report):
+    """A run's report (its JSON) as result rows (benchmarks/_rows.py's
+    schema); every row's workload has the run's threads, seed, repeats and
+    budget_s. The host copy bandwidth before and after the benchmarks
+    (workload "when"; median, min, max over its copies); (a) a D each
+    (workload dim, rows, batch): each contender's gather time (median, min,
+    max over the calls), bandwidth (at the median) and its share of the
+    best copy bandwidth; (b) a number of unique rows each (workload
+    unique_rows, rows, dim): the update's time, bandwidth, rows a second
+    and share of the copy bandwidth, and hostembed's speed against torch's;
+    (c) with a GPU (device: the GPU's name), each copy's time and bandwidth;
+    the run's wall time."""
+    config = report["config"]
+    base = {k: config[k] for k in ("threads", "seed", "repeats", "budget_s")}
+    copy = report["copy_bandwidth"]
+    best = copy["best_bytes_per_s"]
+    rows = []
+    for when in ("before", "after"):
+        measured = copy[when]
+        rows += spread_rows(ctx, dict(base, when=when, buffer_bytes=measured["buffer_bytes"]), HOST_COPY,
+                            "copy_bandwidth", measured["all_bytes_per_s"], "bytes/s")
+
+    def timed(workload, contender, op, r, extra=()):
+        """A point's time (spread), bandwidth and share of the copy's, and `extra` figures."""
+        figures = [(f"{op}_bandwidth", r["bytes_per_s"], "bytes/s"),
+                   ("copy_bandwidth_share", r["bytes_per_s"] / best, "fraction"), *extra]
+        return (spread_rows(ctx, workload, contender, f"{op}_time", r["all_ms"], "ms")
+                + [make_row(ctx, workload, contender, metric, value, unit) for metric, value, unit in figures])
+
+    for point in report["gather"]:
+        workload = dict(base, dim=point["dim"], rows=point["rows"], batch=config["batch"])
+        for who, contender in GATHER_CONTENDERS.items():
+            if who in point:
+                rows += timed(workload, contender, "gather", point[who])
+    for point in report["sparse_adam"]:
+        workload = dict(base, unique_rows=point["unique_rows"], rows=config["adam_rows"], dim=config["adam_dim"])
+        for who, contender in ADAM_CONTENDERS.items():
+            if who in point:
+                r = point[who]
+                extra = [("update_rate", r["rows_per_s"], "rows/s")]
+                if who == "hostembed" and "torch" in point:
+                    extra.append(("speed_vs_torch", point["torch"]["median_ms"] / r["median_ms"], "x"))
+                rows += timed(workload, contender, "update", r, extra)
+    pcie = report["pcie"]
+    if "skipped" not in pcie:
+        gpu_ctx = dict(ctx, device=(report["machine"].get("gpu") or {}).get("name") or "cuda")
+        for key, contender in PCIE_CONTENDERS.items():
+            r, workload = pcie[key], dict(base, bytes=pcie["bytes"])
+            rows += spread_rows(gpu_ctx, workload, contender, "copy_time", r["all_ms"], "ms")
+            rows.append(make_row(gpu_ctx, workload, contender, "copy_bandwidth", r["bytes_per_s"], "bytes/s"))
+    rows.append(make_row(ctx, base, "the whole run", "wall_time", report["wall_s"], "s"))
+    return rows
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ step of the Embeddings (forward, backward, the optimizer's step: torch's
 SparseAdam for torch's module, hostembed's for hostembed's, both paths),
 which is where the crossover between the paths is decided: torch's
 backward leaves a row a position for the optimizer to sum, the core's
-sums them in backward.
+sums them in backward. The figures go to --json and, as result rows, to
+rows.jsonl beside it.
 
     python benchmarks/cpu/per_call.py                       # 2M x 64, 512 .. 1M ids
     python benchmarks/cpu/per_call.py --sizes 512,8192 --rounds 50
@@ -27,7 +28,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import RESULTS_DIR, OtherLoad, fail, log, machine_info, require_hostembed, usable_cpus, write_json  # noqa: E402
+from _common import (run_folder, OtherLoad, fail, log, machine_info, make_row, require_hostembed,  # noqa: E402
+                     run_context, spread_rows, usable_cpus, write_json, write_rows)
 
 hostembed = require_hostembed()
 from hostembed._core.ops import cpu as cpu_ops  # noqa: E402  (after the build check above)
@@ -65,13 +67,13 @@ def main(argv=None):
     parser.add_argument("--sizes", default="512,8192,65536,1048576")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=usable_cpus())
-    parser.add_argument("--json", default=os.path.join(RESULTS_DIR, "per_call.json"))
+    parser.add_argument("--json", default=os.path.join(run_folder(), "per_call.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     hostembed.set_num_threads(args.threads)
     models = contenders(args.rows, args.dim)
     load = OtherLoad()
-    results, steps = {}, {}
+    results, steps, samples = {}, {}, {}
     g = torch.Generator().manual_seed(1)
     batches = {size: torch.randint(0, args.rows, (size // 4, 4), generator=g)
                for size in (int(s) for s in args.sizes.split(","))}
@@ -116,7 +118,9 @@ def main(argv=None):
         results[size] = {f"{name} | {'grad' if grad else 'no_grad'}": statistics.median(s) * 1e6
                          for (name, grad), s in times.items()}
         log(f"{size} ids done")
-        steps[size] = _step_times(models, flat, grad_out[False], args.rounds, reps)
+        step_times = _step_times(models, flat, grad_out[False], args.rounds, reps)
+        steps[size] = {name: statistics.median(t) * 1e6 for name, t in step_times.items()}
+        samples[size] = (reps, times, step_times)
     other = load.fraction()
     sizes = list(results)
     print(f"\nOne call, median us, table [{args.rows:,}, {args.dim}], {args.threads} threads "
@@ -134,15 +138,32 @@ def main(argv=None):
     write_json(args.json, {"args": vars(args), "machine": machine_info(), "other_load": other,
                            "median_us": {str(k): v for k, v in results.items()},
                            "step_median_us": {str(k): v for k, v in steps.items()}})
-    log(f"wrote {args.json}")
+    path = write_rows(os.path.dirname(os.path.abspath(args.json)), result_rows(args, other, samples))
+    log(f"wrote {args.json} and {path}")
+
+
+def result_rows(args, other, samples):
+    """The run's figures as result rows (benchmarks/_rows.py's schema): a
+    call's and a training step's µs, median, min and max over the rounds."""
+    ctx = run_context("per_call")
+    base = {"rows": args.rows, "dim": args.dim, "rounds": args.rounds, "threads": args.threads}
+    rows = [] if other is None else [make_row(ctx, base, "other processes", "other_load", other, "fraction")]
+    for size, (reps, times, step_times) in samples.items():
+        workload = dict(base, ids=size, calls_a_round=reps)
+        for (name, grad), seconds in times.items():
+            metric = "forward_backward_time" if grad else "forward_no_grad_time"
+            rows += spread_rows(ctx, workload, name, metric, [t * 1e6 for t in seconds], "us")
+        for name, seconds in step_times.items():
+            rows += spread_rows(ctx, workload, name, "step_time", [t * 1e6 for t in seconds], "us")
+    return rows
 
 
 STEP_CONTENDERS = ("torch Embedding", "hostembed Embedding", "hostembed Embedding, core path")
 
 
 def _step_times(models, ids, grad_out, rounds, reps):
-    """Median us of forward + backward + SparseAdam's step, per Embedding
-    contender, in rounds of alternating order (each its own optimizer)."""
+    """Seconds of forward + backward + SparseAdam's step, per Embedding
+    contender, a round each (each its own optimizer), rounds alternating."""
     opts = {name: (torch.optim.SparseAdam if name.startswith("torch") else hostembed.SparseAdam)(
         models[name][0].parameters(), lr=1e-4) for name in STEP_CONTENDERS}
     times = {name: [] for name in STEP_CONTENDERS}
@@ -160,7 +181,7 @@ def _step_times(models, ids, grad_out, rounds, reps):
                     opt.step()
                     opt.zero_grad()
                 times[name].append((time.perf_counter() - t0) / reps)
-    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+    return times
 
 
 class _nothing:

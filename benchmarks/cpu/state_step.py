@@ -21,7 +21,9 @@ Speed: the step of cpu_step.py (Zipf ids, forward, backward of a fixed
 output gradient, step(), zero_grad()), unfused, then fused: every form's
 table alive at once and timed in interleaved rounds (rotated order),
 medians; the bytes of weight and state a step reads and writes per form,
-and the host copy bandwidth measured in the same run for scale.
+and the host copy bandwidth measured in the same run for scale. The
+figures go to --out and, as result rows (result_rows), to rows.jsonl beside
+it.
 
     python benchmarks/cpu/state_step.py
     python benchmarks/cpu/state_step.py --rows 200000 --rounds 3   # a quick look
@@ -35,8 +37,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import (RESULTS_DIR, OtherLoad, copy_bandwidth, fmt_ms, log, machine_info,  # noqa: E402
-                     require_hostembed, summarize_ms, usable_cpus, write_json, zipf_batches)
+from _common import (run_folder, OtherLoad, copy_bandwidth, fmt_ms, log, machine_info, make_row,  # noqa: E402
+                     require_hostembed, run_context, summarize_ms, usable_cpus, write_json, write_rows, zipf_batches)
 
 hostembed = require_hostembed()
 
@@ -65,7 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (one step of each contender a round)")
     p.add_argument("--forms", default=",".join(FORMS), help="comma-separated forms")
     p.add_argument("--threads", type=int, default=usable_cpus())
-    p.add_argument("--out", default=f"{RESULTS_DIR}/state_step.json")
+    p.add_argument("--out", default=os.path.join(run_folder(), "state_step.json"))
     return p.parse_args(argv)
 
 
@@ -177,6 +179,7 @@ def main(argv=None):
         gc.collect()
     bandwidth = copy_bandwidth(256 << 20, 5, args.threads)
     report["copy_bandwidth_bytes_per_s"] = bandwidth["bytes_per_s"]
+    report["copy_bandwidth_buffer_bytes"] = bandwidth["buffer_bytes"]
     report["unique_rows_per_batch"] = unique
     report["other_load_fraction"] = load.fraction()
 
@@ -200,7 +203,40 @@ def main(argv=None):
     load_fraction = report["other_load_fraction"]
     log(f"other load: {'unknown' if load_fraction is None else f'{100 * load_fraction:.0f}%'} of the CPUs")
     write_json(args.out, report)
-    log(f"wrote {args.out}")
+    path = write_rows(os.path.dirname(os.path.abspath(args.out)),
+                      result_rows(run_context("state_step", info=report["machine"]), report))
+    log(f"wrote {args.out} and {path}")
+
+
+def result_rows(ctx, report):
+    """A run's report (its JSON) as result rows (benchmarks/_rows.py's
+    schema): the host copy bandwidth; per form (the contender) its bytes a
+    parameter (by RSS growth and as allocated), the weight and state bytes
+    a step moves, and unfused and fused (workload "fused") the step time
+    (median, min, max) and the speed against fp32's. recover_rows.py
+    converts the committed runs' JSON with it too (their buffer size was
+    not kept: null)."""
+    args = report["args"]
+    base = {k: args[k] for k in ("rows", "dim", "batch", "alpha", "batches", "warmup", "rounds", "threads")
+            if k in args}
+
+    def rows_of(workload, contender, figures):
+        return [make_row(ctx, workload, contender, metric, value, unit)
+                for metric, value, unit in figures if value is not None]
+
+    rows = rows_of({"threads": args["threads"], "buffer_bytes": report.get("copy_bandwidth_buffer_bytes")},
+                   "host copy (copy_)", [("bandwidth", report["copy_bandwidth_bytes_per_s"], "bytes/s")])
+    for form, memory in report["memory"].items():
+        rows += rows_of(base, form, [("bytes_per_parameter_rss", memory["rss_bytes_per_param"], "bytes"),
+                                     ("bytes_per_parameter_allocated", memory["allocated_bytes_per_param"], "bytes")])
+    for form, entry in report["step"].items():
+        rows += rows_of(base, form, [("weight_and_state_traffic", entry["bytes_per_step"], "bytes/step")])
+        for mode in ("unfused", "fused"):
+            summary = entry[mode]
+            figures = [(f"step_time_{stat}", summary.get(f"{stat}_ms"), "ms") for stat in ("median", "min", "max")]
+            rows += rows_of(dict(base, fused=mode == "fused"), form,
+                            figures + [("speed_vs_fp32", summary["speedup_vs_fp32"], "x")])
+    return rows
 
 
 def statistics_median(seconds):

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import RESULTS_DIR, ZipfIds, log, machine_info, require_hostembed, write_json  # noqa: E402
+from _common import run_folder, ZipfIds, log, machine_info, require_hostembed, write_json  # noqa: E402
 
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 OPTIMIZERS = {"sparse_adam": 2, "rowwise_adagrad": 0}  # rows of per-element state a row
@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--optimizers", default="sparse_adam,rowwise_adagrad")
     p.add_argument("--ids", default="zipf,uniform")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", default=os.path.join(RESULTS_DIR, "disk_table.json"))
+    p.add_argument("--json", default=os.path.join(run_folder(), "disk_table.json"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

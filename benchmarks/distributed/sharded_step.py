@@ -13,7 +13,9 @@ a step sends between processes (ids to their owners, rows back, gradient
 rows to the owners; each rank sends each distinct id once, which is the
 least any row-sharded lookup sends), and the peak RSS of all the processes
 together against one table with its optimizer state. Threads: the machine's CPUs
-split between the processes.
+split between the processes. The figures also go as result rows
+(benchmarks/_rows.py's schema; sharded_rows below) to rows.jsonl beside
+the JSON.
 
     python benchmarks/distributed/sharded_step.py [--procs 1,2,4 --rows 2000000 --batch 65536]
 """
@@ -30,9 +32,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import (GIB, RESULTS_DIR, OtherLoad, _vm_hwm_bytes, add_sharded_workload_args,  # noqa: E402
-                     fmt_gib, log, machine_info, require_hostembed, sharded_global_batches, summarize_ms, usable_cpus,
-                     write_json)
+from _common import (GIB, run_folder, OtherLoad, _vm_hwm_bytes, add_sharded_workload_args,  # noqa: E402
+                     fmt_gib, log, machine_info, make_row, require_hostembed, run_context, sharded_global_batches,
+                     summarize_ms, usable_cpus, write_json, write_rows)
 
 hostembed = require_hostembed()
 
@@ -41,7 +43,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sharded_workload_args(p)
     p.add_argument("--optimizer", choices=("SparseAdam", "RowWiseAdagrad"), default="SparseAdam")
-    p.add_argument("--json", default=os.path.join(RESULTS_DIR, "sharded_step.json"))
+    p.add_argument("--json", default=os.path.join(run_folder(), "sharded_step.json"))
     args = p.parse_args(argv)
     args.procs = [int(x) for x in args.procs.split(",") if x]
     if min(args.procs + [args.rows, args.dim, args.batch, args.batches, args.steps]) < 1 or args.warmup < 0:
@@ -132,6 +134,41 @@ def plain_baseline(args):
     return summarize_ms(seconds)
 
 
+# The contenders, as the rows name them: the report's keys -> names.
+CONTENDERS = {"plain": "plain hostembed.Embedding", "sharded": "hostembed.distributed.ShardedEmbedding",
+              "shared": "hostembed.distributed.SharedEmbedding"}
+WORKLOAD = ("rows", "dim", "batch", "alpha", "batches", "warmup", "steps", "optimizer")
+
+
+def _spread(ctx, workload, contender, summary):
+    return [make_row(ctx, workload, contender, f"step_time_{stat}", summary[f"{stat}_ms"], "ms")
+            for stat in ("median", "min", "max")]
+
+
+def sharded_rows(ctx, report):
+    """The run's figures as result rows: per contender and process count
+    (workload "procs", "threads" a process) the step time (spread), and for
+    the sharded and shared tables the bytes sent a step, the peak RSS and
+    the PSS of all processes together; the table's size with its state, and
+    the other processes' share of the CPUs."""
+    base = {k: report["args"][k] for k in WORKLOAD}
+    plain = dict(base, procs=1, threads=report["machine"]["usable_cpus"])
+    rows = _spread(ctx, plain, CONTENDERS["plain"], report["plain"])
+    rows.append(make_row(ctx, plain, CONTENDERS["plain"], "table_and_state_size", report["table_and_state_bytes"],
+                         "bytes"))
+    for kind in ("sharded", "shared"):
+        for procs, r in report[kind].items():
+            workload = dict(base, procs=int(procs), threads=r["threads_per_process"])
+            rows += _spread(ctx, workload, CONTENDERS[kind], r)
+            rows += [make_row(ctx, workload, CONTENDERS[kind], metric, r[key], unit) for metric, key, unit in (
+                ("bytes_sent", "bytes_sent_per_step", "bytes/step"),
+                ("peak_rss_all_processes", "rss_bytes_all", "bytes"), ("pss_all_processes", "pss_bytes_all", "bytes"))]
+    others = report["other_load"]["cpu_fraction_used_by_others"]
+    if others is not None:
+        rows.append(make_row(ctx, base, "the whole run", "cpu_used_by_others", others, "fraction"))
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
     other = OtherLoad()
@@ -152,6 +189,8 @@ def main(argv=None):
                                    "threads_per_process": result["threads"]}
     report["other_load"] = {"cpu_fraction_used_by_others": other.fraction()}
     write_json(args.json, report)
+    rows_path = write_rows(os.path.dirname(os.path.abspath(args.json)),
+                           sharded_rows(run_context("sharded_step", info=report["machine"]), report))
     print(f"\nOne table, {args.rows:,} x {args.dim} float32 ({fmt_gib(table_and_state)} with its state), "
           f"{args.batch:,} Zipf({args.alpha}) ids a step in all, {args.optimizer}, gloo, {usable_cpus()} CPUs; "
           f"other load {report['other_load']['cpu_fraction_used_by_others']:.0%}\n")
@@ -164,7 +203,7 @@ def main(argv=None):
             print(f"| {procs} | {kind} | {r['threads_per_process']} | {r['median_ms']:.1f} "
                   f"| {r['bytes_sent_per_step'] / 1e6:.1f} | {r['rss_bytes_all'] / GIB:.2f} GiB "
                   f"| {r['pss_bytes_all'] / GIB:.2f} GiB |")
-    print(f"\nJSON: {args.json}")
+    print(f"\nJSON: {args.json}\nRows: {rows_path}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,11 @@ virtualenv of its own that reuses the system torch and fbgemm-gpu-cpu):
 (the second install pulls no torch: check with --dry-run), then
 
     /tmp/trvenv/bin/python benchmarks/distributed/torchrec_sharded_step.py [--procs 1,2,4 --rows 2000000 --batch 65536]
+
+The figures also go as result rows (benchmarks/_rows.py's schema;
+torchrec_rows below) to rows.jsonl beside the JSON, with the workload fields
+of sharded_step.py's rows (optimizer "RowWiseAdagrad"), so that one table
+shows both.
 """
 import argparse
 import datetime
@@ -55,8 +60,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import (GIB, RESULTS_DIR, OtherLoad, _vm_hwm_bytes, add_sharded_workload_args,  # noqa: E402
-                     fmt_gib, log, sharded_global_batches, summarize_ms, usable_cpus, write_json, zipf_batches)
+from _common import (GIB, run_folder, OtherLoad, _cpu_model, _git_commit, _vm_hwm_bytes,  # noqa: E402
+                     add_sharded_workload_args, fmt_gib, gpu_info, log, machine_info, make_row, run_context,
+                     sharded_global_batches, summarize_ms, usable_cpus, write_json, write_rows, zipf_batches)
 
 LR = 1e-3
 EPS = 1e-8  # FBGEMM's default for row-wise Adagrad
@@ -66,7 +72,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sharded_workload_args(p)
     p.add_argument("--skip-check", action="store_true", help="skip the one-step check on a tiny table")
-    p.add_argument("--json", default=os.path.join(RESULTS_DIR, "torchrec_sharded_step.json"))
+    p.add_argument("--json", default=os.path.join(run_folder(), "torchrec_sharded_step.json"))
     args = p.parse_args(argv)
     args.procs = [int(x) for x in args.procs.split(",") if x]
     if min(args.procs + [args.rows, args.dim, args.batch, args.batches, args.steps]) < 1 or args.warmup < 0:
@@ -218,6 +224,43 @@ def run_procs(procs, args, check=False):
         return torch.load(out_path)
 
 
+CONTENDER = "TorchRec EmbeddingBagCollection, ROW_WISE (FBGEMM fused row-wise Adagrad)"
+WORKLOAD = ("rows", "dim", "batch", "alpha", "batches", "warmup", "steps")
+
+
+def run_machine():
+    """machine_info(), or what of it this virtualenv can say without hostembed."""
+    try:
+        return machine_info()
+    except ImportError:
+        return {"cpu_model": _cpu_model(), "usable_cpus": usable_cpus(), "gpu": gpu_info(),
+                "torch": torch.__version__, "git": _git_commit()}
+
+
+def torchrec_rows(ctx, report):
+    """The run's figures as result rows: per process count (workload "procs",
+    "threads" a process, and sharded_step.py's fields) the step time
+    (spread) and the peak RSS of all processes together; the check's largest
+    error against row-wise Adagrad by hand; the other processes' share of
+    the CPUs."""
+    base = dict({k: report["args"][k] for k in WORKLOAD}, optimizer="RowWiseAdagrad",
+                torchrec=report["versions"].get("torchrec"))
+    rows = []
+    for procs, r in report["procs"].items():
+        workload = dict(base, procs=int(procs), threads=r["threads_per_process"])
+        rows += [make_row(ctx, workload, CONTENDER, f"step_time_{stat}", r[f"{stat}_ms"], "ms")
+                 for stat in ("median", "min", "max")]
+        rows.append(make_row(ctx, workload, CONTENDER, "peak_rss_all_processes", r["rss_bytes_all"], "bytes"))
+    if report.get("check"):
+        check = {"rows": 1000, "dim": 8, "batch": 512, "procs": len(report["check"]), "torchrec": base["torchrec"]}
+        rows.append(make_row(ctx, check, CONTENDER, "check_max_abs_error",
+                             max(r["max_abs_err"] for r in report["check"]), "weight"))
+    others = report["other_load"]["cpu_fraction_used_by_others"]
+    if others is not None:
+        rows.append(make_row(ctx, base, "the whole run", "cpu_used_by_others", others, "fraction"))
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
     other = OtherLoad()
@@ -236,7 +279,10 @@ def main(argv=None):
                                   "threads_per_process": result["threads"]}
         report["plan"] = result["plan"]
     report["other_load"] = {"cpu_fraction_used_by_others": other.fraction(), "loadavg_before": other.loadavg_before}
+    report["machine"] = run_machine()
     write_json(args.json, report)
+    rows_path = write_rows(os.path.dirname(os.path.abspath(args.json)),
+                           torchrec_rows(run_context("torchrec_sharded_step", info=report["machine"]), report))
     v = report["versions"]
     print(f"\nTorchRec {v.get('torchrec')} ROW_WISE (FUSED, row-wise Adagrad), {args.rows:,} x {args.dim} float32 "
           f"({fmt_gib(table_and_state)} with its state), {args.batch:,} Zipf({args.alpha}) ids a step in all, "
@@ -246,7 +292,7 @@ def main(argv=None):
     print("|---:|---:|---:|---:|")
     for procs, r in report["procs"].items():
         print(f"| {procs} | {r['threads_per_process']} | {r['median_ms']:.1f} | {r['rss_bytes_all'] / GIB:.2f} GiB |")
-    print(f"\nJSON: {args.json}")
+    print(f"\nJSON: {args.json}\nRows: {rows_path}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """benchmarks/gpu/cache_step.py's report rows as result rows
-(benchmarks/_common.py's schema): what a run writes beside its JSON, so
+(benchmarks/_rows.py's schema): what a run writes beside its JSON, so
 that a GPU run's figures land as rows with its folder. The metric names
 follow benchmarks/recover_rows.py's for the older cache_step JSON; figures
 from a formula keep their "_modelled" suffix."""

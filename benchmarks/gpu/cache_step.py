@@ -25,7 +25,8 @@ stream checks on the same device that a table with a row cache of each
 timed size (the same fractions, of the draw's rows) trains to the uncached
 table's bits: from the same random table, every step's output, then the
 weight and every optimizer state entry (--no-check skips it); a
-difference, or a draw that never finds a cached row again, ends the run.
+difference, or a draw that never finds a cached row again, ends the run
+(gpu/_cache_step_check.py).
 
 A step: forward (ids on the device), backward, step(), with the update
 fused in backward unless --unfused; with a cache and one row an id, the
@@ -46,7 +47,7 @@ its weight alone), the cache's records as allocated
 "cache_rows_per_gib"), and figures from a formula, named *_modelled: a
 record's bytes, the bytes of bypassed rows (every row, without a cache),
 the PCIe total and the minimum}. No byte is measured on the bus. The same
-figures go beside it as result rows (rows.jsonl, benchmarks/_common.py's
+figures go beside it as result rows (rows.jsonl, benchmarks/_rows.py's
 schema; this run's as one run: gpu/_cache_step_rows.py).
 
 Usage (after `pip install .`; a GPU for the real figures):
@@ -59,7 +60,6 @@ import datetime
 import gc
 import json
 import os
-import re
 import sys
 import time
 
@@ -69,8 +69,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 sys.path.insert(0, os.path.join(sys.path[0], "cache"))  # benchmarks/cache/: _anchor_streams
 import _anchor_streams as streams  # noqa: E402
+from _cache_step_check import trains_to_uncached_bits
 from _cache_step_rows import result_rows
-from _common import RESULTS_DIR, fail, log, machine_info, require_hostembed, run_context, write_json, write_rows
+from _common import device_label, log, machine_info, require_hostembed, run_context, run_folder, write_json, write_rows
 
 hostembed = require_hostembed()
 from hostembed.nn.host_module import UNINITIALISED  # noqa: E402  (after the build check above)
@@ -137,15 +138,6 @@ def parse_args(argv=None):
     return args
 
 
-def device_label(device):
-    """'h100', 'h200', ... from the GPU's name; 'cpu' for the CPU."""
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device)
-    found = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name)
-    return (found.group(1) if found else name.split()[-1]).lower()
-
-
 def workload(protocol, args, device):
     if protocol == "dynamicemb":
         return streams.dynamicemb(args.scale, args.batches, seed=args.seed, device=device)
@@ -206,118 +198,16 @@ def cache_rows_for(fraction, base):
     return max(1, int(round(fraction * base)))
 
 
-def training_state(module, opt):
-    """{name: value} of everything training leaves behind: the weight and
-    each optimizer state entry (tensors and numbers alike), as host memory
-    holds them once the cache has written back: state_dict() and reading
-    the weight flush it, as a user's checkpoint would."""
-    # The weight first: a difference is reported in the first entry that
-    # has one, and a wrong state that never reached the weight then says so.
-    state = {"weight": module.weight.detach().clone()}
-    for index, entry in opt.state_dict()["state"].items():
-        for key, value in entry.items():
-            state[f"state[{index}].{key}"] = value.detach().clone() if torch.is_tensor(value) else value
-    return state
-
-
-def first_difference(name, mine, theirs):
-    """None if `mine` is `theirs` bit for bit, else what differs, in words."""
-    if not torch.is_tensor(theirs):
-        return None if mine == theirs else f"{name} is {mine!r}, not {theirs!r}"
-    if not torch.is_tensor(mine) or mine.dtype != theirs.dtype or mine.shape != theirs.shape:
-        return f"{name} is {getattr(mine, 'dtype', type(mine))} {tuple(getattr(mine, 'shape', ()))}, not " \
-               f"{theirs.dtype} {tuple(theirs.shape)}"
-    # Bits, not values: NaN == NaN here, and -0.0 != 0.0.
-    if mine.is_floating_point():
-        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[mine.element_size()]
-        differ = mine.view(ints) != theirs.view(ints)
-    else:
-        differ = mine != theirs
-    if not bool(differ.any()):
-        return None
-    rows = differ.reshape(differ.shape[0] if differ.dim() else 1, -1).any(1).nonzero().view(-1)
-    gap = float((mine.double() - theirs.double())[differ].abs().max())
-    return f"{name} differs in {rows.numel()} row(s), first row {int(rows[0])} (max |difference| {gap:.3g})"
-
-
-def train_checked(module, opt, w, grad_out, plan_ahead):
-    """The timed steps' sequence over the whole draw (forward, backward,
-    the next batch planned, step), with a gradient that depends on the
-    rows the forward served (the output plus grad_out): a wrong row then
-    changes the update, not only the output. Returns each step's output
-    and the cache's counts of the batches trained (None without a cache)."""
-    order = w.warmup + w.timed + [w.after]
-    inputs = (lambda i: w.batches[i].view(-1, w.bag_size)) if w.bag_size else (lambda i: w.batches[i])
-    plan_ahead = plan_ahead and module._table.cache is not None and not w.bag_size
-    outputs, last = [], len(order) - 2
-    if plan_ahead:
-        module.prefetch(inputs(order[0]))
-    for k in range(last + 1):
-        out = module(inputs(order[k]))
-        outputs.append(out.detach().clone())
-        out.backward(out.detach() + grad_out)
-        if k == last:
-            # Before the batch no step trains is planned: its hits are
-            # never served.
-            stats = module.cache_stats
-        if plan_ahead:
-            module.prefetch(inputs(order[k + 1]))
-        opt.step()
-        opt.zero_grad()
-    return outputs, stats
-
-
 def check_bits(protocol, optimizer, state, args, device):
-    """A fast wrong answer is not a result: on a small draw of the
-    protocol's stream, on this device, a table with a row cache of each
-    timed size (the same fractions, of this draw's rows) must train to the
-    bits of the same table without one: every step's output, the weight
-    and every optimizer state tensor, from the same random table (an
-    all-zero one would hide a wrong row until its first update), before
-    anything is timed. Returns the cache's counts a size."""
+    """The check before timing (_cache_step_check.py) on a small draw of
+    the protocol's stream, on this device, at each timed cache size (the
+    same fractions, of this draw's rows). Returns the cache's counts a size."""
     small = argparse.Namespace(**{**vars(args), **CHECK_DRAW, "scale": min(args.scale, CHECK_DRAW["scale"])})
     w = workload(protocol, small, device)
-    out_rows = len(w.batches[0]) // w.bag_size if w.bag_size else len(w.batches[0])
-    gen = torch.Generator().manual_seed(args.seed)
-    grad_out = torch.randn(out_rows, w.dim, generator=gen).to(device)
-    start = torch.randn(w.rows, w.dim, generator=gen)
-    base, label = cache_base(w), f"{protocol}, {optimizer} {state}"
-
-    def train(cache_rows):
-        module, opt = build(w, optimizer, state, args, device)
-        with torch.no_grad():
-            module.weight.copy_(start)
-        module.cache_rows = cache_rows
-        outputs, stats = train_checked(module, opt, w, grad_out, not args.no_plan_ahead)
-        result = outputs, training_state(module, opt), stats
-        del module, opt
-        gc.collect()
-        return result
-
-    want_outputs, want, _ = train(None)
-    counts = {}
-    for fraction in fractions_of(protocol, args):
-        cache_rows = cache_rows_for(fraction, base)
-        where = f"{label}, cache {fraction:g} ({cache_rows:,} of the check's {base:,} rows)"
-        outputs, got, stats = train(cache_rows)
-        for k, (mine, theirs) in enumerate(zip(outputs, want_outputs)):
-            wrong = first_difference(f"step {k}'s lookup output", mine, theirs)
-            if wrong:
-                fail(f"{where}: {wrong} from the uncached table's")
-        if got.keys() != want.keys():
-            fail(f"{where}: the optimizer holds {sorted(got)}, the uncached one {sorted(want)}")
-        for name in want:
-            wrong = first_difference(name, got[name], want[name])
-            if wrong:
-                fail(f"{where}: {wrong} from the uncached table's")
-        if not stats["hits"]:
-            # Every row fetched or bypassed: a wrong slot or a stale record
-            # would never have been served, and the check would prove nothing.
-            fail(f"{where}: no cached row was found again in a later step; the check's draw does not test the cache")
-        counts[fraction] = stats
-        log(f"{where}: trains to the uncached bits (outputs, weight, {len(want) - 1} optimizer state entries; "
-            f"{stats['hits']:,} hits, {stats['evictions']:,} evictions, {stats['bypassed']:,} bypassed)")
-    return counts
+    base = cache_base(w)
+    sizes = [(fraction, cache_rows_for(fraction, base)) for fraction in fractions_of(protocol, args)]
+    return trains_to_uncached_bits(w, lambda: build(w, optimizer, state, args, device), sizes, base,
+                                   f"{protocol}, {optimizer} {state}", args.seed, not args.no_plan_ahead, device)
 
 
 class Clock:
@@ -502,7 +392,7 @@ def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
     today = datetime.date.today().isoformat()
-    path = args.json or os.path.join(RESULTS_DIR, f"{device_label(device)}-{today}", "cache_protocols.json")
+    path = args.json or os.path.join(run_folder(device), "cache_protocols.json")
     rows, mine = [], []  # mine: this run's, written as result rows beside the JSON
     context = run_context("cache_step", device=device)
     if args.append and os.path.exists(path):

@@ -13,7 +13,9 @@
       torch.optim.SparseAdam entirely on the GPU, same batches
 
 Every figure is checked first: the gather against the table's rows, and
-(d)'s hostembed against torch after a few steps from the same table.
+(d)'s hostembed against torch after a few steps from the same table. The
+figures go to --json and, as result rows (result_rows), to rows.jsonl
+beside it.
 
 Usage (on a machine with a GPU, after `pip install .` or an in-place build with PYTHONPATH=python):
     python benchmarks/gpu/gpu.py [--rows 60000000 --steps 20 ...]
@@ -28,8 +30,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import (GIB, RESULTS_DIR, ZipfIds, fail, fmt_ms, log, machine_info, mem_available_bytes,  # noqa: E402
-                     require_hostembed, summarize_ms, write_json)
+from _common import (GIB, run_folder, ZipfIds, fail, fmt_ms, log, machine_info, make_row,  # noqa: E402
+                     mem_available_bytes, require_hostembed, run_context, summarize_ms, write_json, write_rows)
 
 hostembed = require_hostembed()
 from hostembed._core import _C  # noqa: E402  (after the build check above)
@@ -64,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", default="", help="comma-separated parts to skip: ceilings,gather,train,fit")
-    p.add_argument("--json", default=os.path.join(RESULTS_DIR, "gpu.json"))
+    p.add_argument("--json", default=os.path.join(run_folder("cuda" if torch.cuda.is_available() else "cpu"), "gpu.json"))
     args = p.parse_args(argv)
     if min(args.pcie_mib, args.gather_rows, args.rows, args.dim, args.batch, args.batches, args.fit_rows,
            args.steps, args.warmup, args.repeats) < 1 or not args.dims:
@@ -398,7 +400,61 @@ def main(argv=None):
     if "fit" not in args.skip:
         report["fit"] = side_by_side(args)
     write_json(args.json, report)
+    path = write_rows(os.path.dirname(os.path.abspath(args.json)),
+                      result_rows(run_context("gpu", device="cuda", info=report["machine"]), report))
     print_report(args, report)
+    log(f"wrote {args.json} and {path}")
+
+
+# --- result rows ------------------------------------------------------------------------------
+
+TRAIN_CONTENDERS = {"gpu": "hostembed, update on the GPU", "cpu": "hostembed, update on the CPU",
+                    "auto": 'hostembed, update="auto"', "fused": "hostembed, fused (GPU update in backward)"}
+FIT_CONTENDERS = {"hostembed": "hostembed", "hostembed_fused": "hostembed, fused",
+                  "torch": "torch nn.Embedding(sparse=True) on the GPU + SparseAdam"}
+GATHER_CONTENDER = "hostembed gather kernel (pinned host memory)"
+
+
+def result_rows(ctx, report):
+    """A run's report (its JSON) as result rows (benchmarks/_rows.py's
+    schema), for the parts that ran: (a) each direction's pinned copy
+    bandwidth and median time; (b) the gather's bandwidth, time (median,
+    min, max) and share of the H2D ceiling, a D each; (c), (d) each
+    contender's step time (median, min, max), its phases and, in (c), the
+    PCIe bound. recover_rows.py converts the committed runs' JSON with it
+    too."""
+    def rows_of(workload, contender, figures):
+        return [make_row(ctx, workload, contender, metric, value, unit)
+                for metric, value, unit in figures if value is not None]
+
+    def spread(summary):
+        return [(f"step_time_{stat}", summary.get(f"{stat}_ms"), "ms") for stat in ("median", "min", "max")]
+
+    args = report["args"]
+    rows = []
+    for direction, ceiling in report.get("ceilings", {}).items():
+        rows += rows_of({"bytes": ceiling["bytes"]}, f"pinned copy {direction.upper()}",
+                        [("bandwidth", ceiling["bytes_per_s"], "bytes/s"), ("time_median", ceiling["median_ms"], "ms")])
+    for point in report.get("gather") or []:
+        workload = {"dim": point["dim"], "gather_rows": point["rows"],
+                    "gather_table_mib": args.get("gather_table_mib"), "repeats": args.get("repeats")}
+        rows += rows_of(workload, GATHER_CONTENDER, [
+            ("bandwidth", point["bytes_per_s"], "bytes/s"), ("time_median", point["median_ms"], "ms"),
+            ("time_min", min(point["all_ms"]), "ms"), ("time_max", max(point["all_ms"]), "ms"),
+            ("share_of_h2d", point.get("of_h2d"), "fraction")])
+    for part, names in (("train", TRAIN_CONTENDERS), ("fit", FIT_CONTENDERS)):
+        section = report.get(part)
+        if not section:
+            continue
+        workload = {k: section[k] for k in ("rows", "dim", "batch", "alpha") if k in section}
+        workload.update({k: args[k] for k in ("batches", "steps", "warmup", "lr", "seed") if k in args})
+        results = section["modes"] if part == "train" else {k: v for k, v in section.items()
+                                                            if isinstance(v, dict) and "median_ms" in v}
+        for key, result in results.items():
+            rows += rows_of(workload, names[key], spread(result) + [
+                ("forward_time", result["forward_ms"], "ms"), ("backward_time", result["backward_ms"], "ms"),
+                ("optimizer_step_time", result["step_ms"], "ms"), ("pcie_bound", result.get("pcie_bound_ms"), "ms")])
+    return rows
 
 
 if __name__ == "__main__":
