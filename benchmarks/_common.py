@@ -22,8 +22,9 @@ import time
 import numpy as np
 import torch
 
-from _rows import (MACHINE_FIELDS, RESULTS_DIR, ROW_FIELDS, ROWS_FILE, commit_of, machine_summary,  # noqa: F401
-                   make_row, read_rows, read_rows_file, row_problems, spread_rows, write_rows)
+from _rows import (MACHINE_FIELDS, RESULTS_DIR, ROW_FIELDS, ROWS_FILE, commit_of, figure_rows,  # noqa: F401
+                   machine_summary, make_row, read_rows, read_rows_file, row_problems, spread_rows,
+                   summary_figures, write_rows)
 
 try:
     from tqdm import tqdm as _tqdm

@@ -124,6 +124,20 @@ def spread_rows(context, workload, contender, metric, values, unit) -> list:
             for name, stat in (("median", statistics.median), ("min", min), ("max", max))]
 
 
+def figure_rows(context, workload, contender, figures) -> list:
+    """Rows from (metric, value, unit) triples; a missing value (None) is no
+    figure and no row."""
+    return [make_row(context, workload, contender, metric, value, unit)
+            for metric, value, unit in figures if value is not None]
+
+
+def summary_figures(metric, summary, unit="ms") -> list:
+    """A summarize_ms() dict ({median_ms, min_ms, max_ms}) as (metric_median,
+    value, unit), (metric_min, ...), (metric_max, ...) figures; a statistic
+    the summary lacks is a None value."""
+    return [(f"{metric}_{stat}", summary.get(f"{stat}_ms"), unit) for stat in ("median", "min", "max")]
+
+
 def read_rows_file(path) -> list:
     """The rows of one rows.jsonl, as written (blank lines skipped)."""
     with open(path, encoding="utf-8") as f:

@@ -46,7 +46,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(sys.path[0], "cache"))  # benchmarks/cache/: _cache_plan_rows
 from _cache_plan_rows import policy_rows  # noqa: E402
-from _common import RESULTS_DIR, commit_of, machine_summary, make_row, write_rows  # noqa: E402
+from _common import (RESULTS_DIR, commit_of, figure_rows, machine_summary, make_row,  # noqa: E402
+                     summary_figures, write_rows)
 from _compare.rows import compare_log_rows, compare_rows  # noqa: E402  (compare.py's rows)
 # Each benchmark's own converter from its JSON to rows, as it writes them after a run.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "clients"))  # benchmarks/clients/
@@ -96,16 +97,6 @@ def _pick(mapping, keys):
     return {k: mapping[k] for k in keys if k in mapping}
 
 
-def _rows(ctx, workload, contender, figures):
-    """Rows from (metric, value, unit) triples; a missing value (None) is no
-    figure and no row."""
-    return [make_row(ctx, workload, contender, metric, value, unit)
-            for metric, value, unit in figures if value is not None]
-
-
-def _spread(metric, summary, unit="ms"):
-    """A summarize_ms() dict ({median_ms, min_ms, max_ms}) as figures."""
-    return [(f"{metric}_{stat}", summary.get(f"{stat}_ms"), unit) for stat in ("median", "min", "max")]
 
 
 # --- cpu-2026-11-28 ---------------------------------------------------------------
@@ -132,10 +123,10 @@ DISK_CONTENDERS = {"disk": "hostembed, table on disk", "memory": "hostembed, tab
 def disk_table_rows(ctx, data):
     args, rates = data["args"], data["disk"]
     base = _pick(args, ("rows", "dim", "batch", "alpha", "warmup", "steps", "limit", "budget", "threads"))
-    rows = _rows(ctx, dict(base, row_bytes=rates["row_bytes"], direct_io=rates["direct_io"]),
+    rows = figure_rows(ctx, dict(base, row_bytes=rates["row_bytes"], direct_io=rates["direct_io"]),
                  "the disk, rows at random", [("read_rate", rates["read_rows_per_s"], "rows/s"),
                                               ("write_rate", rates["write_rows_per_s"], "rows/s")])
-    rows += _rows(ctx, base, DISK_CONTENDERS["disk"], [("files_made_time", data["files_made_s"], "s")])
+    rows += figure_rows(ctx, base, DISK_CONTENDERS["disk"], [("files_made_time", data["files_made_s"], "s")])
     for result in data["results"]:
         result = dict(result)
         if result["where"] == "disk" and "io_floor_ms" not in result:
@@ -151,9 +142,9 @@ def disk_table_rows(ctx, data):
         figures = [("step_time_median", result["ms_per_step"], "ms"), ("step_time_min", min(steps), "ms"),
                    ("step_time_max", max(steps), "ms")]
         figures += [(metric, result.get(key), unit) for key, metric, unit in DISK_FIGURES]
-        rows += _rows(ctx, workload, DISK_CONTENDERS[result["where"]], figures)
+        rows += figure_rows(ctx, workload, DISK_CONTENDERS[result["where"]], figures)
     for result in data["conversion"]:
-        rows += _rows(ctx, dict(base, optimizer=result["optimizer"]), DISK_CONTENDERS[result["where"]],
+        rows += figure_rows(ctx, dict(base, optimizer=result["optimizer"]), DISK_CONTENDERS[result["where"]],
                       [("time", result["seconds"], "s"), ("checkpoint_size", result["checkpoint_bytes"], "bytes"),
                        ("peak_rss", result["peak_rss_bytes"], "bytes"),
                        ("cgroup_peak", result.get("cgroup_peak_bytes"), "bytes")])
@@ -267,17 +258,17 @@ CACHE_FIGURES = [  # cache_step.py's per-size keys: (metric, unit)
 
 
 def _cache_mode_rows(ctx, base, contender, stream, mode):
-    rows = _rows(ctx, dict(base, stream=stream), "the id stream", [
+    rows = figure_rows(ctx, dict(base, stream=stream), "the id stream", [
         ("touched_rows", mode["touched_rows"], "rows"), ("unique_rows", mode["unique_per_step"], "rows/step"),
         ("first_touched_rows", mode["first_touch_per_step"], "rows/step")])
     sizes = [(None, mode["no_cache"])] + [(float(f), size) for f, size in mode["sizes"].items()]
     for fraction, size in sizes:
         phases = size.get("phases_ms", {})
-        figures = _spread("step_time", size["step"]) + [
+        figures = summary_figures("step_time", size["step"]) + [
             ("forward_time", phases.get("forward"), "ms"), ("backward_time", phases.get("backward"), "ms"),
             ("optimizer_step_time", phases.get("step"), "ms")]
         figures += [(metric, size.get(key), unit) for key, metric, unit in CACHE_FIGURES]
-        rows += _rows(ctx, dict(base, stream=stream, cache_fraction=fraction), contender, figures)
+        rows += figure_rows(ctx, dict(base, stream=stream, cache_fraction=fraction), contender, figures)
     return rows
 
 

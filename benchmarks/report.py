@@ -28,12 +28,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import REPO_ROOT, RESULTS_DIR, read_rows  # noqa: E402
-from _report.render import (CLOSE, OPEN, blocks, check_page, footer, matches,  # noqa: E402,F401
-                            render_across, render_cell, render_page, render_run, render_table, row_key,
-                            runs_newest_first)
-from _report.spec import (SCALE, Across, Calc, Cell, Col, Fig, Label, Row, Table,  # noqa: E402,F401
-                          contender, fixed, none_if_zero, pct, sig, spreads, times)
-from _report.tables import DECLARED, TABLES  # noqa: E402,F401
+# The parts and the renderer, as tests/test_results_rows.py reaches them through this script.
+from _report.render import CLOSE, blocks, check_page, render_cell, render_page, render_table, row_key  # noqa: E402,F401
+from _report.spec import (SCALE, Across, Col, Fig, Label, fixed, none_if_zero, pct, sig,  # noqa: E402,F401
+                          spreads, times)
+from _report.tables import TABLES  # noqa: E402
 
 PAGE = os.path.join(REPO_ROOT, "docs", "results.md")
 PAGES = [PAGE, os.path.join(REPO_ROOT, "README.md")]

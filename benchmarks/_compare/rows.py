@@ -13,7 +13,7 @@ compare.py's --plot-from needs no build.
 """
 import re
 
-from _common import make_row
+from _common import figure_rows, make_row, summary_figures
 
 COMPARE_WORKLOAD = ("size", "users", "items", "dim", "hidden", "batch", "alpha", "steps", "warmup", "lr", "seed",
                     "threads", "device", "cache_fraction")
@@ -26,15 +26,6 @@ def _pick(mapping, keys):
     return {k: mapping[k] for k in keys if k in mapping}
 
 
-def _rows(ctx, workload, contender, figures):
-    """Rows from (metric, value, unit) triples; a missing value (None) is no row."""
-    return [make_row(ctx, workload, contender, metric, value, unit)
-            for metric, value, unit in figures if value is not None]
-
-
-def _spread(metric, summary, unit="ms"):
-    """A summarize_ms() dict ({median_ms, min_ms, max_ms}) as figures."""
-    return [(f"{metric}_{stat}", summary.get(f"{stat}_ms"), unit) for stat in ("median", "min", "max")]
 
 
 def compare_rows(ctx, data):
@@ -42,11 +33,11 @@ def compare_rows(ctx, data):
     GPU memory, final loss and speed against torch's CPU SparseAdam; the
     dense part's step time."""
     workload = _pick(data["config"], COMPARE_WORKLOAD)
-    rows = _rows(ctx, workload, DENSE_FLOOR, _spread("step_time", data["dense_floor"]))
+    rows = figure_rows(ctx, workload, DENSE_FLOOR, summary_figures("step_time", data["dense_floor"]))
     for result in data["contenders"].values():
         if "skipped" in result:
             continue
-        rows += _rows(ctx, workload, result["label"], _spread("step_time", result) + [
+        rows += figure_rows(ctx, workload, result["label"], summary_figures("step_time", result) + [
             ("peak_rss", result.get("peak_rss_bytes_train"), "bytes"),
             ("peak_gpu_memory", result.get("peak_gpu_bytes"), "bytes"), ("final_loss", result.get("final_loss"), "loss"),
             ("speedup_vs_torch_sparse_cpu", result.get("speedup_vs_torch_sparse_cpu"), "x")])
@@ -62,13 +53,13 @@ def run_rows(ctx, data):
     workload = _pick(data["config"], COMPARE_WORKLOAD)
     rows = compare_rows(ctx, data)
     floor = data["dense_floor"]
-    rows += _rows(ctx, workload, DENSE_FLOOR, [("cpu_used_by_others", floor.get("cpu_fraction_used_by_others"),
+    rows += figure_rows(ctx, workload, DENSE_FLOOR, [("cpu_used_by_others", floor.get("cpu_fraction_used_by_others"),
                                                 "fraction")])
     for result in data["contenders"].values():
         if "skipped" in result:
             continue
         label = result["label"]
-        rows += _rows(ctx, workload, label, [
+        rows += figure_rows(ctx, workload, label, [
             ("timed_steps", result.get("timed_steps"), "steps"), ("warmup_steps", result.get("warmup_steps"), "steps"),
             ("build_time", result.get("build_s"), "s"), ("first_step_time", result.get("first_step_ms"), "ms"),
             ("peak_rss_build", result.get("peak_rss_bytes_build"), "bytes"),
@@ -80,15 +71,15 @@ def run_rows(ctx, data):
             continue
         reference = data["contenders"][agreement["reference"]]["label"]
         for key, found in agreement["contenders"].items():
-            rows += _rows(ctx, dict(workload, reference=reference), data["contenders"][key]["label"], [
+            rows += figure_rows(ctx, dict(workload, reference=reference), data["contenders"][key]["label"], [
                 ("loss_max_relative_difference", found["loss_max_rel_diff"], "fraction"),
                 ("weight_max_abs_difference", found["weight_max_abs_diff"], "weight")])
     stats = data.get("workload", {})
-    rows += _rows(ctx, workload, BATCHES, [
+    rows += figure_rows(ctx, workload, BATCHES, [
         ("unique_users_per_batch_mean", stats.get("unique_users_per_batch_mean"), "rows"),
         ("unique_items_per_batch_mean", stats.get("unique_items_per_batch_mean"), "rows"),
         ("positive_fraction", stats.get("positive_fraction"), "fraction")])
-    rows += _rows(ctx, workload, WHOLE_RUN, [
+    rows += figure_rows(ctx, workload, WHOLE_RUN, [
         ("peak_rss", data.get("peak_rss_bytes"), "bytes"),
         ("cpu_used_by_others", data.get("other_load", {}).get("cpu_fraction_used_by_others"), "fraction")])
     return rows
@@ -112,13 +103,13 @@ def compare_log_rows(ctx, path, cache_fraction):
                 "cache_fraction": cache_fraction}
     rows = []
     floor = re.search(r"^Dense part alone .*?: ([\d.]+) ms/step", text, re.M)
-    rows += _rows(ctx, workload, DENSE_FLOOR, [("step_time_median", _number(floor.group(1)), "ms")])
+    rows += figure_rows(ctx, workload, DENSE_FLOOR, [("step_time_median", _number(floor.group(1)), "ms")])
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if not line.startswith("| ") or not re.match(r"\d+\. ", cells[0]) or len(cells) != 7:
             continue
         label = cells[0].split(". ", 1)[1]
-        rows += _rows(ctx, workload, label, [
+        rows += figure_rows(ctx, workload, label, [
             ("step_time_median", _number(cells[1]), "ms"),
             ("speedup_vs_torch_sparse_cpu", _number(cells[3].rstrip("x")), "x"),
             ("peak_rss", _number(cells[4].split()[0]), "GiB"),

@@ -3,4 +3,4 @@
 rendered from result rows (render). A group's _tables.py imports the
 declaration parts from here."""
 from _report.spec import (SCALE, Across, Calc, Cell, Col, Fig, Label, OverRuns, Row, Table,  # noqa: F401
-                          contender, fixed, lo_hi, none_if_zero, pct, sig, spreads, times)
+                          contender, fixed, lo_hi, none_if_zero, pct, sig, spreads, times, verdict)

@@ -2,7 +2,7 @@
 case that favours it and in the one that favours the other side, each
 worked out from the rows of the run that measured both (declared here, not
 in a group, because it draws on every group)."""
-from _report.spec import Across, Calc, Cell, Col, Fig, Label, OverRuns, Row, Table, contender, fixed, lo_hi, sig, times
+from _report.spec import Across, Calc, Cell, Col, Fig, Label, OverRuns, Row, Table, contender, fixed, lo_hi, times
 
 
 def _speed(metric, theirs, ours, where=None, fmt=times(2)):

@@ -42,11 +42,15 @@ def none_if_zero(fmt, text="(none)"):
     return lambda v: text if v == 0 else fmt(v)
 
 
-def spreads(v):
-    """A difference in units of the reference's spread, with its verdict:
+def verdict(v):
+    """The verdict on a difference in units of the reference's spread:
     within one spread holds (✓); beyond it, better or worse."""
-    mark = "✓" if abs(v) <= 1 else ("(better)" if v > 0 else "✗")
-    return f"{v:+.1f} {mark}"
+    return "✓" if abs(v) <= 1 else ("(better)" if v > 0 else "✗")
+
+
+def spreads(v):
+    """A difference in units of the reference's spread, with its verdict."""
+    return f"{v:+.1f} {verdict(v)}"
 
 
 # A row's unit -> the unit a table writes it in.

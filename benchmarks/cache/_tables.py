@@ -1,8 +1,7 @@
 """The tables of docs/results.md drawn from the rows of cache/'s benchmarks
 (benchmarks/report.py renders them; benchmarks/_report holds the parts)."""
 import _cache_oracles as oracles
-from _report import (Calc, Cell, Col, Fig, Label, Row, Table, contender, fixed, none_if_zero, pct,  # noqa: F401
-                     sig, spreads, times)
+from _report import Cell, Col, Fig, Row, Table, contender, fixed, pct, sig
 
 TABLES = {}
 

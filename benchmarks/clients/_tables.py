@@ -1,7 +1,6 @@
 """The tables of docs/results.md drawn from the rows of clients/'s benchmarks
 (benchmarks/report.py renders them; benchmarks/_report holds the parts)."""
-from _report import (Calc, Cell, Col, Fig, Label, Row, Table, contender, fixed, none_if_zero, pct,  # noqa: F401
-                     sig, spreads, times)
+from _report import Calc, Cell, Col, Fig, Label, Row, Table, contender, fixed, spreads, times, verdict
 
 TABLES = {}
 
@@ -45,14 +44,8 @@ SQ_FORMS = [  # (label, state_quality.py's form)
 ]
 
 
-def _holds(spreads_off):
-    """The verdict of a difference, given in units of the spread it is held
-    to: within it holds (✓); beyond it, better or worse."""
-    return "✓" if abs(spreads_off) <= 1 else ("(better)" if spreads_off > 0 else "✗")
-
-
 SQ_DIFFERENCE = [Fig("auc_difference", lambda v: f"{v:+.4f}"), " ",
-                 Calc(lambda d, t: d / t, _holds, (Fig("auc_difference"), Fig("auc_tolerance")))]
+                 Calc(lambda d, t: d / t, verdict, (Fig("auc_difference"), Fig("auc_tolerance")))]
 SQ_SPREAD = Calc(lambda hi, lo: hi - lo, fixed(4), (Fig("auc_max"), Fig("auc_min")))
 SQ_REFERENCE = [Fig("auc_mean", fixed(4)), " (", SQ_SPREAD, ")"]
 

@@ -42,8 +42,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import (OtherLoad, PeakRss, run_folder, _vm_hwm_bytes, copy_bandwidth, fmt_ms, log,  # noqa: E402
-                     machine_info, make_row, require_hostembed, run_context, summarize_ms, usable_cpus, write_json,
-                     write_rows)
+                     machine_info, make_row, require_hostembed, run_context, summarize_ms, summary_figures, usable_cpus,
+                     write_json, write_rows)
 
 hostembed = require_hostembed()
 
@@ -166,7 +166,7 @@ def result_rows(ctx, report):
                 "epoch_batches": args["epoch_batches"], "test_samples": TEST_SAMPLES, "threads": report["threads"]}
     out = []
     for name, r in report["results"].items():
-        figures = [(f"step_time_{stat}", r[f"{stat}_ms"], "ms") for stat in ("median", "min", "max")]
+        figures = summary_figures("step_time", r)
         figures += [("peak_rss_added", r["peak_rss_bytes"], "bytes"), ("auc", r["auc"], "score"),
                     ("error_vs_float64", report["checks"].get(f"{name}_error_vs_float64"), "abs")]
         out += [make_row(ctx, workload, name, metric, value, unit) for metric, value, unit in figures

@@ -1,7 +1,6 @@
 """The tables of docs/results.md drawn from the rows of cpu/'s benchmarks
 (benchmarks/report.py renders them; benchmarks/_report holds the parts)."""
-from _report import (Calc, Cell, Col, Fig, Label, Row, Table, contender, fixed, none_if_zero, pct,  # noqa: F401
-                     sig, spreads, times)
+from _report import Col, Fig, Row, Table, contender, fixed, none_if_zero, pct, sig, times
 
 TABLES = {}
 

@@ -37,8 +37,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import (run_folder, OtherLoad, copy_bandwidth, fmt_ms, log, machine_info, make_row,  # noqa: E402
-                     require_hostembed, run_context, summarize_ms, usable_cpus, write_json, write_rows, zipf_batches)
+from _common import (OtherLoad, copy_bandwidth, fmt_ms, log, machine_info, make_row, require_hostembed,  # noqa: E402
+                     run_context, run_folder, summarize_ms, summary_figures, usable_cpus, write_json, write_rows,
+                     zipf_batches)
 
 hostembed = require_hostembed()
 
@@ -233,7 +234,7 @@ def result_rows(ctx, report):
         rows += rows_of(base, form, [("weight_and_state_traffic", entry["bytes_per_step"], "bytes/step")])
         for mode in ("unfused", "fused"):
             summary = entry[mode]
-            figures = [(f"step_time_{stat}", summary.get(f"{stat}_ms"), "ms") for stat in ("median", "min", "max")]
+            figures = summary_figures("step_time", summary)
             rows += rows_of(dict(base, fused=mode == "fused"), form,
                             figures + [("speed_vs_fp32", summary["speedup_vs_fp32"], "x")])
     return rows

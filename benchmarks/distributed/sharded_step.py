@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import (GIB, run_folder, OtherLoad, _vm_hwm_bytes, add_sharded_workload_args,  # noqa: E402
                      fmt_gib, log, machine_info, make_row, require_hostembed, run_context, sharded_global_batches,
-                     summarize_ms, usable_cpus, write_json, write_rows)
+                     summarize_ms, summary_figures, figure_rows, usable_cpus, write_json, write_rows)
 
 hostembed = require_hostembed()
 
@@ -141,8 +141,7 @@ WORKLOAD = ("rows", "dim", "batch", "alpha", "batches", "warmup", "steps", "opti
 
 
 def _spread(ctx, workload, contender, summary):
-    return [make_row(ctx, workload, contender, f"step_time_{stat}", summary[f"{stat}_ms"], "ms")
-            for stat in ("median", "min", "max")]
+    return figure_rows(ctx, workload, contender, summary_figures("step_time", summary))
 
 
 def sharded_rows(ctx, report):

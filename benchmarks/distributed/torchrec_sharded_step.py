@@ -62,7 +62,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import (GIB, run_folder, OtherLoad, _cpu_model, _git_commit, _vm_hwm_bytes,  # noqa: E402
                      add_sharded_workload_args, fmt_gib, gpu_info, log, machine_info, make_row, run_context,
-                     sharded_global_batches, summarize_ms, usable_cpus, write_json, write_rows, zipf_batches)
+                     sharded_global_batches, summarize_ms, summary_figures, figure_rows, usable_cpus, write_json,
+                     write_rows, zipf_batches)
 
 LR = 1e-3
 EPS = 1e-8  # FBGEMM's default for row-wise Adagrad
@@ -248,8 +249,7 @@ def torchrec_rows(ctx, report):
     rows = []
     for procs, r in report["procs"].items():
         workload = dict(base, procs=int(procs), threads=r["threads_per_process"])
-        rows += [make_row(ctx, workload, CONTENDER, f"step_time_{stat}", r[f"{stat}_ms"], "ms")
-                 for stat in ("median", "min", "max")]
+        rows += figure_rows(ctx, workload, CONTENDER, summary_figures("step_time", r))
         rows.append(make_row(ctx, workload, CONTENDER, "peak_rss_all_processes", r["rss_bytes_all"], "bytes"))
     if report.get("check"):
         check = {"rows": 1000, "dim": 8, "batch": 512, "procs": len(report["check"]), "torchrec": base["torchrec"]}

@@ -30,8 +30,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
-from _common import (GIB, run_folder, ZipfIds, fail, fmt_ms, log, machine_info, make_row,  # noqa: E402
-                     mem_available_bytes, require_hostembed, run_context, summarize_ms, write_json, write_rows)
+from _common import (GIB, ZipfIds, fail, figure_rows, fmt_ms, log, machine_info,  # noqa: E402
+                     mem_available_bytes, require_hostembed, run_context, run_folder, summarize_ms,
+                     summary_figures, write_json, write_rows)
 
 hostembed = require_hostembed()
 from hostembed._core import _C  # noqa: E402  (after the build check above)
@@ -424,11 +425,7 @@ def result_rows(ctx, report):
     PCIe bound. recover_rows.py converts the committed runs' JSON with it
     too."""
     def rows_of(workload, contender, figures):
-        return [make_row(ctx, workload, contender, metric, value, unit)
-                for metric, value, unit in figures if value is not None]
-
-    def spread(summary):
-        return [(f"step_time_{stat}", summary.get(f"{stat}_ms"), "ms") for stat in ("median", "min", "max")]
+        return figure_rows(ctx, workload, contender, figures)
 
     args = report["args"]
     rows = []
@@ -451,7 +448,7 @@ def result_rows(ctx, report):
         results = section["modes"] if part == "train" else {k: v for k, v in section.items()
                                                             if isinstance(v, dict) and "median_ms" in v}
         for key, result in results.items():
-            rows += rows_of(workload, names[key], spread(result) + [
+            rows += rows_of(workload, names[key], summary_figures("step_time", result) + [
                 ("forward_time", result["forward_ms"], "ms"), ("backward_time", result["backward_ms"], "ms"),
                 ("optimizer_step_time", result["step_ms"], "ms"), ("pcie_bound", result.get("pcie_bound_ms"), "ms")])
     return rows
