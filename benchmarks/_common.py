@@ -402,7 +402,8 @@ def run_context(benchmark, *, run=None, device="cpu", info=None, command=None, d
     a second run adds rows instead of replacing the first's). `device`: the
     torch device the benchmark measured on; a CUDA one is named by its GPU."""
     info = machine_info() if info is None else info
-    now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    exact = datetime.datetime.now(datetime.timezone.utc)
+    now = exact.replace(microsecond=0)
     date = now.isoformat() if date is None else date
     if torch.device(device).type == "cuda":
         device = (info.get("gpu") or {}).get("name") or "cuda"
@@ -410,6 +411,8 @@ def run_context(benchmark, *, run=None, device="cpu", info=None, command=None, d
         device = torch.device(device).type
     if command is None:
         command = " ".join(["python", os.path.relpath(sys.argv[0], REPO_ROOT)] + sys.argv[1:])
-    return {"benchmark": benchmark, "run": run or f"{benchmark}-{now.strftime('%Y%m%dT%H%M%SZ')}",
+    # To the microsecond: two runs of one benchmark into one folder in the
+    # same second must not replace each other's rows (write_rows replaces a run).
+    return {"benchmark": benchmark, "run": run or f"{benchmark}-{exact.strftime('%Y%m%dT%H%M%S.%fZ')}",
             "device": device, "machine": machine_summary(info), "commit": commit_of(info.get("git")),
             "date": date, "command": command}

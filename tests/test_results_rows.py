@@ -281,6 +281,15 @@ def test_a_figure_across_runs_takes_each_argument_from_its_newest_run():
     assert report.render_cell([ratio], rows[:1], report.Col("h", [])) == []
 
 
+def test_a_runs_name_is_its_start_to_the_microsecond():
+    # Two runs of one benchmark into one folder in the same second must not
+    # share a name: write_rows would replace the first's rows.
+    info = {"cpu_model": "x", "usable_cpus": 2, "torch": "2.13", "git": None}
+    context = _common.run_context("bench", info=info, command="c")
+    assert re.fullmatch(r"bench-\d{8}T\d{6}\.\d{6}Z", context["run"])
+    assert context["date"].startswith(context["run"][6:10])
+
+
 def test_an_unnamed_run_lands_in_its_device_and_days_folder():
     folder = _common.run_folder()
     assert os.path.dirname(folder) == _common.RESULTS_DIR
