@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -82,7 +83,7 @@ def main(argv=None):
     for size, ids in batches.items():
         flat = ids.reshape(-1)
         for name in ("hostembed Embedding", "hostembed Embedding, core path"):
-            with _CorePath() if "core path" in name else _nothing():
+            with _CorePath() if "core path" in name else nullcontext():
                 same = torch.equal(models[name][0](flat), models["torch Embedding"][0](flat))
             if not same:
                 fail(f"{name}'s outputs differ from torch's at {size} ids")
@@ -109,7 +110,7 @@ def main(argv=None):
                 module, bag = models[name]
                 x = ids if bag else flat
                 for grad in (True, False):
-                    with torch.set_grad_enabled(grad), (_CorePath() if "core path" in name else _nothing()):
+                    with torch.set_grad_enabled(grad), (_CorePath() if "core path" in name else nullcontext()):
                         call(module, x, bag, grad)  # warm
                         t0 = time.perf_counter()
                         for _ in range(reps):
@@ -174,7 +175,7 @@ def _step_times(models, ids, grad_out, rounds, reps):
     for r in range(rounds):
         for name in (STEP_CONTENDERS if r % 2 == 0 else STEP_CONTENDERS[::-1]):
             module, opt = models[name][0], opts[name]
-            with _CorePath() if "core path" in name else _nothing():
+            with _CorePath() if "core path" in name else nullcontext():
                 t0 = time.perf_counter()
                 for _ in range(reps):
                     module(ids).backward(grad_out)
@@ -182,14 +183,6 @@ def _step_times(models, ids, grad_out, rounds, reps):
                     opt.zero_grad()
                 times[name].append((time.perf_counter() - t0) / reps)
     return times
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ Usage (on a machine with a GPU):
 import argparse
 import os
 import sys
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -80,14 +81,14 @@ def main(argv=None):
 
         def step(i, marks=False):
             ids = batches[i % len(batches)]
-            with record_function("## forward") if marks else _nothing():
+            with record_function("## forward") if marks else nullcontext():
                 out = emb(ids)
-            with record_function("## backward") if marks else _nothing():
+            with record_function("## backward") if marks else nullcontext():
                 out.backward(grad_out)
             if args.prefetch and emb.cache_rows:
-                with record_function("## prefetch") if marks else _nothing():
+                with record_function("## prefetch") if marks else nullcontext():
                     emb.prefetch(batches[(i + 1) % len(batches)])
-            with record_function("## step") if marks else _nothing():
+            with record_function("## step") if marks else nullcontext():
                 opt.step()
                 opt.zero_grad()
 
@@ -105,14 +106,6 @@ def main(argv=None):
         for key in ("self_cpu_time_total", "self_device_time_total"):
             print(averages.table(sort_by=key, row_limit=args.top, max_name_column_width=60))
         log(f"profiled {setup}")
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":
