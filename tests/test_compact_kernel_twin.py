@@ -40,6 +40,33 @@ FORMS = {"bfloat16": (torch.bfloat16, torch.bfloat16), "int8": (torch.int8, torc
          "int8-int8": (torch.int8, torch.int8)}
 
 
+def cached_entries(rows, slots, gen):
+    """The cache's entries of `rows` rows, `slots` of them cached (slot + 1
+    below SLOT_BITS, a random use count above it, which a kernel must mask
+    off), and each row's slot (-1: not cached)."""
+    entry = torch.randint(0, 16, (rows,), generator=gen, dtype=torch.int64) << SLOT_BITS
+    entry[torch.randperm(rows, generator=gen)[:slots]] += torch.arange(1, slots + 1)
+    return entry, (entry & ((1 << SLOT_BITS) - 1)) - 1
+
+
+def twin_gradients(rows, nnz, dim, slot_of, scales, gen):
+    """A step's (step, scale, indices, values, slot, cached) for each of
+    `scales`: `nnz` sorted distinct rows, some cached and some not, their
+    gradients at that scale with every fifth row zero, and at step 2 a 1e30
+    (an infinite square) in a cached row and in an uncached one."""
+    for step, scale in enumerate(scales, start=1):
+        indices = torch.sort(torch.randperm(rows, generator=gen)[:nnz]).values
+        values = torch.randn(nnz, dim, generator=gen) * scale
+        values[::5] = 0.0
+        slot = slot_of[indices]
+        cached = slot >= 0
+        assert 0 < int(cached.sum()) < nnz
+        if step == 2:
+            values[cached.nonzero()[0, 0], 0] = 1e30
+            values[(~cached).nonzero()[-1, 0], -1] = -1e30
+        yield step, scale, indices, values, slot, cached
+
+
 @pytest.fixture(scope="session")
 def harness(tmp_path_factory):
     # he_adam_make_consts and the he_fail it needs, from the core itself.
@@ -127,23 +154,12 @@ def test_the_compact_kernel_gives_the_cores_bits(harness, tmp_path, form, dim, g
         table = HostTable(count, dim)
         table.tensor.copy_(torch.randn(count, dim, generator=gen))
         parts[part] = (table, _states(table, form))
-    # Cached rows' entries carry use counts above the slot: the kernel must mask them off.
-    entry = torch.randint(0, 16, (rows,), generator=gen, dtype=torch.int64) << SLOT_BITS
-    entry[torch.randperm(rows, generator=gen)[:slots]] += torch.arange(1, slots + 1)
-    slot_of = (entry & ((1 << SLOT_BITS) - 1)) - 1
+    entry, slot_of = cached_entries(rows, slots, gen)
     # Gradients of every size, zero rows (a block left 0 at the first step,
     # its scale 0), 1e30 (infinite squares: NaN scales, then NaN rows) and
     # 1e-19 (subnormal squares).
-    for step, scale in enumerate([1.0, 1e-3, 1e-19, 1e2], start=1):
-        indices = torch.sort(torch.randperm(rows, generator=gen)[:nnz]).values
-        values = torch.randn(nnz, dim, generator=gen) * scale
-        values[::5] = 0.0
-        slot = slot_of[indices]
-        cached = slot >= 0
-        assert 0 < int(cached.sum()) < nnz
-        if step == 2:
-            values[cached.nonzero()[0, 0], 0] = 1e30
-            values[(~cached).nonzero()[-1, 0], -1] = -1e30
+    for step, _, indices, values, slot, cached in twin_gradients(rows, nnz, dim, slot_of, [1.0, 1e-3, 1e-19, 1e2],
+                                                                 gen):
         hyper = dict(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, step=step, maximize=maximize,
                      weight_decay=weight_decay)
         got = _launch(harness, tmp_path, parts, entry, indices, values, hyper, grid, block)

@@ -32,7 +32,7 @@ from hostembed._core.ops import update as _ops
 from hostembed._core.table import HostTable
 
 from kernel_twin_build import build_twin
-from test_compact_kernel_twin import SLOT_BITS
+from test_compact_kernel_twin import cached_entries, twin_gradients
 
 KINDS = {"SGD": (_ops.SGD, None), "Adagrad": (_ops.ADAGRAD, "sum"), "RowWiseAdagrad": (_ops.ROWWISE_ADAGRAD, "row_sum")}
 
@@ -109,23 +109,12 @@ def _run(harness, folder, name, dim, grid, block, weight_decay, maximize, steps=
     rows, slots, nnz = 200, 32, 61  # 61: a warp's last groups run out of rows
     gen = torch.Generator().manual_seed(dim * 7 + grid)
     parts = {"host": _part(rows, dim, key, gen), "records": _part(slots, dim, key, gen)}
-    # Cached rows' entries carry use counts above the slot: the kernel must mask them off.
-    entry = torch.randint(0, 16, (rows,), generator=gen, dtype=torch.int64) << SLOT_BITS
-    entry[torch.randperm(rows, generator=gen)[:slots]] += torch.arange(1, slots + 1)
-    slot_of = (entry & ((1 << SLOT_BITS) - 1)) - 1
+    entry, slot_of = cached_entries(rows, slots, gen)
     order_tells = False
     # Gradients of every size, zero rows, 1e30 (infinite squares) and
     # 1e-19 (subnormal squares).
-    for step, scale in zip(range(1, steps + 1), [1.0, 1e-3, 1e-19, 1e2, 0.5, 3.0]):
-        indices = torch.sort(torch.randperm(rows, generator=gen)[:nnz]).values
-        values = torch.randn(nnz, dim, generator=gen) * scale
-        values[::5] = 0.0
-        slot = slot_of[indices]
-        cached = slot >= 0
-        assert 0 < int(cached.sum()) < nnz
-        if step == 2:
-            values[cached.nonzero()[0, 0], 0] = 1e30
-            values[(~cached).nonzero()[-1, 0], -1] = -1e30
+    scales = [1.0, 1e-3, 1e-19, 1e2, 0.5, 3.0][:steps]
+    for step, scale, indices, values, slot, cached in twin_gradients(rows, nnz, dim, slot_of, scales, gen):
         hyper = dict(lr=0.05, eps=1e-8, lr_decay=0.01, step=step, maximize=maximize, weight_decay=weight_decay)
         got = _launch(harness, folder, kind, parts, entry, indices, values, hyper, grid, block, nudge)
         for part, chosen, where in (("host", ~cached, indices), ("records", cached, slot)):
