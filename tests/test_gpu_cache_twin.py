@@ -31,6 +31,15 @@ def _pair(rows, dim, gen):
     return tables, states
 
 
+def _flushed_alike(cache, tables, states):
+    """After a flush, the cached table (tables[1], states[1]) holds the
+    uncached one's bits: weight and every state tensor."""
+    cache.flush()
+    assert torch.equal(tables[1].tensor, tables[0].tensor)
+    for key in states[0]:
+        assert torch.equal(states[1][key], states[0][key]), key
+
+
 def _train_alike(cache, tables, states, batches, gen, ahead, plans, kind=_ops.ADAM, hyper=HYPER):
     """Optimizer `kind` (SparseAdam by default) on batches of unique rows:
     tables[0] uncached, tables[1] through the cache (each batch planned at
@@ -63,10 +72,7 @@ def test_training_through_the_twin_gives_the_uncached_bits(capacity, ahead):
     _train_alike(cache, tables, states, batches, gen, ahead, {0: cache.plan_batch(batches[0], batches[0].numel())})
     waits = cache.host_waits
     stats = cache.stats
-    cache.flush()
-    assert torch.equal(tables[1].tensor, tables[0].tensor)
-    for key in states[0]:
-        assert torch.equal(states[1][key], states[0][key]), key
+    _flushed_alike(cache, tables, states)
     assert waits == 0
     assert stats["hits"] + stats["fetches"] + stats["bypassed"] == stats["rows"]
     assert stats["batches"] == 3 + steps
@@ -119,11 +125,8 @@ def test_sgd_and_adagrads_through_the_twin_give_the_uncached_bits(name, ahead):
         assert cache.cached[key].shape == (capacity, *tensor.shape[1:])  # row_sum: one value a slot
     stats = cache.stats
     assert stats["evictions"] > 0 and stats["bypassed"] > 0 and stats["hits"] > 0
-    cache.flush()
     assert not torch.equal(tables[0].tensor, init)
-    assert torch.equal(tables[1].tensor, tables[0].tensor)
-    for key in states[0]:
-        assert torch.equal(states[1][key], states[0][key]), key
+    _flushed_alike(cache, tables, states)
 
 
 def _compact_states(tables, form):
@@ -215,10 +218,7 @@ def test_a_gradient_with_repeats_is_checked_and_summed_on_the_host():
         assert cache.host_waits - before == 1
     with pytest.raises(IndexError, match=f"row {rows} at 1 is not in"):
         cache.update(_ops.ADAM, states[1], torch.tensor([0, rows]), torch.ones(2, dim), step=20, **HYPER)
-    cache.flush()
-    assert torch.equal(tables[1].tensor, tables[0].tensor)
-    for key in states[0]:
-        assert torch.equal(states[1][key], states[0][key])
+    _flushed_alike(cache, tables, states)
 
 
 def test_host_rows_written_through_torch_are_reread_by_the_twin():
@@ -313,10 +313,7 @@ def test_a_fetched_row_whose_state_was_never_written_reads_only_its_weight():
     reads = _reads_of(cache, [span(0, 50)], tables, states, gen)  # some evicted rows back: written
     assert reads == 3 * (cache.stats["fetches"] - fetches) and reads > 0
     assert cache.zero_known == {"exp_avg"}
-    cache.flush()
-    assert torch.equal(tables[1].tensor, tables[0].tensor)
-    for key in states[0]:
-        assert torch.equal(states[1][key], states[0][key]), key
+    _flushed_alike(cache, tables, states)
 
 
 def test_a_state_written_outside_the_cache_is_read_again():
